@@ -1,0 +1,93 @@
+"""Every use of TensorFlow's private API lives here, so an upgrade touches one file.
+
+The two things AutoDist needs that TensorFlow exposes no public hook for:
+capturing what a ``tf.compat.v1`` optimizer is asked to apply, and re-using that
+optimizer's hyper-parameters in the rewritten graph.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+from typing import Callable, Iterator
+
+import tensorflow as tf
+
+_V1Optimizer = tf.compat.v1.train.Optimizer
+
+
+@dataclasses.dataclass
+class OptimizerCall:
+    """One ``apply_gradients`` call seen while building the user's graph.
+
+    Attributes:
+        optimizer: the optimizer object the user built.
+        grads_and_vars: what it was asked to apply (tensors of the original graph).
+        global_step: the step variable passed in, or None.
+        update_op_names: every op the call created (slots, update ops, the result).
+        result_op_name: the op ``apply_gradients`` returned (the user's train op).
+    """
+
+    optimizer: _V1Optimizer
+    grads_and_vars: list
+    global_step: object
+    update_op_names: frozenset
+    result_op_name: str
+
+
+@contextlib.contextmanager
+def capture_apply_gradients(record: Callable[[OptimizerCall], None]) -> Iterator[None]:
+    """Within the block, report every ``tf.compat.v1`` ``apply_gradients`` call.
+
+    The original method is always restored on exit, also on error. Optimizers that
+    override ``apply_gradients`` themselves are not seen.
+    """
+    original = _V1Optimizer.apply_gradients
+
+    def recording_apply_gradients(self, grads_and_vars, global_step=None, name=None):
+        grads_and_vars = list(grads_and_vars)
+        graph = tf.compat.v1.get_default_graph()
+        before = {op.name for op in graph.get_operations()}
+        result = original(self, grads_and_vars, global_step=global_step, name=name)
+        created = frozenset(op.name for op in graph.get_operations()) - before
+        record(OptimizerCall(self, grads_and_vars, global_step, created, result.name))
+        return result
+
+    _V1Optimizer.apply_gradients = recording_apply_gradients
+    try:
+        yield
+    finally:
+        _V1Optimizer.apply_gradients = original
+
+
+def optimizer_for_graph(optimizer: _V1Optimizer,
+                        translate: Callable[[object], tf.Tensor]) -> _V1Optimizer:
+    """Returns a copy of ``optimizer`` usable in another graph.
+
+    Slot tables are emptied (they belong to the original graph) and tensor or
+    variable hyper-parameters (a learning-rate placeholder, a decayed rate) are
+    replaced by ``translate(value)``, their counterpart in the new graph.
+    """
+    clone = copy.copy(optimizer)
+    for attr, value in vars(clone).items():
+        if isinstance(value, dict):
+            setattr(clone, attr, {})
+        elif isinstance(value, (tf.Tensor, tf.Variable)):
+            setattr(clone, attr, translate(value))
+    return clone
+
+
+def variable_from_graph(variable: tf.Variable, graph: tf.Graph) -> tf.Variable:
+    """Rebuilds the Python object of ``variable`` from its ops imported into ``graph``."""
+    with graph.as_default():
+        return type(variable).from_proto(variable.to_proto())
+
+
+def graph_element_name(variable: tf.Variable) -> str:
+    """Name of the tensor a session fetches for ``variable`` (its cached read)."""
+    return variable._graph_element.name  # pylint: disable=protected-access
+
+
+def add_control_inputs(op: tf.Operation, control_ops: list) -> None:
+    """Makes ``op`` run after ``control_ops`` (an edge added after import)."""
+    op._add_control_inputs(control_ops)  # pylint: disable=protected-access

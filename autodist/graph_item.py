@@ -1,0 +1,156 @@
+"""GraphItem: the user's single-device graph plus what AutoDist learned about it."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class VariableInfo:
+    """A trainable variable as the builders and kernels see it.
+
+    Attributes:
+        name: variable op name without output index, e.g. ``"dense/kernel"``.
+        shape: full static shape.
+        dtype: numpy dtype name of the variable, e.g. ``"float32"``.
+        sparse_grad: whether its gradient is an IndexedSlices (embedding lookups).
+        has_grad: whether the optimizer receives a gradient for it.
+    """
+
+    name: str
+    shape: tuple
+    dtype: str
+    sparse_grad: bool = False
+    has_grad: bool = True
+
+    @property
+    def num_elements(self) -> int:
+        count = 1
+        for dim in self.shape:
+            count *= int(dim)
+        return count
+
+    @property
+    def size_bytes(self) -> int:
+        import numpy as np
+        return self.num_elements * np.dtype(self.dtype).itemsize
+
+
+_BATCHED_INPUT_OPS = ("Placeholder", "PlaceholderWithDefault")
+_PER_REPLICA_INPUT_OPS = ("IteratorGetNext", "IteratorGetNextSync")
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientRef:
+    """Names of a gradient's tensors in the original graph.
+
+    A dense gradient has ``values`` only; an IndexedSlices gradient also has
+    ``indices`` and, usually, ``dense_shape``.
+    """
+
+    values: str
+    indices: Optional[str] = None
+    dense_shape: Optional[str] = None
+
+    @property
+    def sparse(self) -> bool:
+        return self.indices is not None
+
+
+class GraphItem:
+    """The user's single-device graph, analysed once for the builders and kernels.
+
+    Ops fall into three sets:
+
+    * excluded: the trainable variables themselves, their initialisers and the
+      optimizer's update stage. Kernels recreate these per strategy.
+    * replicated: everything that depends on a batched input, a per-replica input
+      (``IteratorGetNext``) or a trainable variable: the forward and backward pass.
+    * shared: the rest (placeholders, non-trainable variables, initial values,
+      input pipelines), kept once.
+
+    Args:
+        graph: the user's graph.
+        optimizer_call: what the optimizer was asked to apply while building it.
+
+    Raises:
+        ValueError: when the graph has no captured optimizer call.
+    """
+
+    def __init__(self, graph, optimizer_call):
+        import tensorflow as tf
+        if optimizer_call is None:
+            raise ValueError(
+                "AutoDist found no optimizer in the graph: build the model and call a "
+                "tf.compat.v1.train optimizer's minimize() or apply_gradients() inside "
+                "ad.scope().")
+        self.graph = graph
+        self.optimizer_call = optimizer_call
+        self.graph_def = graph.as_graph_def()
+        with graph.as_default():
+            self._trainables = [v for v in tf.compat.v1.trainable_variables()
+                                if v.op.name not in optimizer_call.update_op_names]
+            self.other_variables = [
+                v for v in tf.compat.v1.global_variables() + tf.compat.v1.local_variables()
+                if v.op.name not in optimizer_call.update_op_names
+                and v.op.name not in {t.op.name for t in self._trainables}]
+        self.gradients = {}
+        for grad, var in optimizer_call.grads_and_vars:
+            if grad is None:
+                continue
+            if isinstance(grad, tf.IndexedSlices):
+                shape = grad.dense_shape.name if grad.dense_shape is not None else None
+                ref = GradientRef(grad.values.name, grad.indices.name, shape)
+            else:
+                ref = GradientRef(grad.name)
+            self.gradients[var.op.name] = ref
+        self.variables = {v.op.name: v for v in self._trainables}
+        self.trainable_variables = [
+            VariableInfo(name=v.op.name, shape=tuple(v.shape.as_list()),
+                         dtype=v.dtype.base_dtype.name,
+                         sparse_grad=self.gradients.get(v.op.name, GradientRef("")).sparse,
+                         has_grad=v.op.name in self.gradients)
+            for v in self._trainables]
+        self._classify_ops()
+
+    def _classify_ops(self) -> None:
+        nodes = {node.name: node for node in self.graph_def.node}
+        update_ops = self.optimizer_call.update_op_names
+        initializers = {v.initializer.name for v in self._trainables}
+        is_initialized = {op.name for v in self._trainables
+                          for op in v.op.outputs[0].consumers()
+                          if op.type == "VarIsInitializedOp"}
+        self.excluded = (set(update_ops) | set(self.variables) | initializers | is_initialized)
+        self.initializer_of = {v.initializer.name: v.op.name for v in self._trainables}
+
+        consumers = {name: [] for name in nodes}
+        for node in self.graph_def.node:
+            for inp in node.input:
+                source = inp.lstrip("^").split(":")[0]
+                if source in consumers:
+                    consumers[source].append(node.name)
+        self.batched_inputs = {
+            node.name for node in self.graph_def.node
+            if node.op in _BATCHED_INPUT_OPS and _is_batched(node)}
+        seeds = set(self.variables) | self.batched_inputs | {
+            node.name for node in self.graph_def.node if node.op in _PER_REPLICA_INPUT_OPS}
+        replicated = set()
+        frontier = [name for seed in seeds for name in consumers[seed]]
+        frontier += [s for s in seeds if s not in self.variables and s not in self.batched_inputs]
+        while frontier:
+            name = frontier.pop()
+            if name in replicated or name in self.excluded:
+                continue
+            replicated.add(name)
+            frontier.extend(consumers[name])
+        self.replicated = replicated
+        self.shared = set(nodes) - replicated - self.excluded
+
+    def is_replicated(self, tensor_or_op_name: str) -> bool:
+        return tensor_or_op_name.lstrip("^").split(":")[0] in self.replicated
+
+
+def _is_batched(node) -> bool:
+    """A placeholder whose first dimension is unknown holds a batch."""
+    shape = node.attr["shape"].shape
+    return not shape.unknown_rank and len(shape.dim) >= 1 and shape.dim[0].size == -1

@@ -1,0 +1,98 @@
+"""AllReduce synchronizer: every replica keeps a copy; gradients meet in collectives.
+
+Dense gradients of the parts sharing a group are flattened into one buffer per
+replica and reduced by a single TensorFlow collective (mean), then split back.
+Sparse gradients are all-gathered (values and indices), which keeps them sparse.
+Collective keys are derived from the strategy alone, so every node of a cluster
+computes the same ones.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+from autodist.kernels.compressor import make_compressor
+from autodist.kernels.context import KernelContext, replica_scope
+from autodist.proto import synchronizers_pb2
+
+COLLECTIVE_GROUP_KEY = 1
+_COMPRESSOR_NAMES = synchronizers_pb2.AllReduceSynchronizer.Compressor.Name
+
+
+def create_all_reduce_storage(name: str, initial_value: tf.Tensor, ctx: KernelContext) -> list:
+    """One copy of the part on every replica device, all from the same initial value."""
+    copies = []
+    for replica in range(ctx.num_replicas):
+        with tf.device(ctx.replica_tf_device(replica)):
+            copies.append(tf.Variable(initial_value, name=f"{replica_scope(replica)}/{name}"))
+    return copies
+
+
+class CollectiveKeys:
+    """Hands out instance keys in the (deterministic) order collectives are built."""
+
+    def __init__(self):
+        self._next = 1
+
+    def take(self) -> int:
+        key = self._next
+        self._next += 1
+        return key
+
+
+def all_reduce_group(members: list, sync, group_size: int, keys: CollectiveKeys,
+                     ctx: KernelContext) -> list:
+    """Reduces the gradients of one group across all replicas.
+
+    Args:
+        members: list of (part name, [grad per local replica]) in a fixed order.
+        sync: the group's AllReduceSynchronizer (its compressor applies to all).
+        group_size: replicas in the whole cluster.
+
+    Returns:
+        list parallel to ``members`` of [mean grad per local replica].
+    """
+    reduced = [[None] * ctx.num_replicas for _ in members]
+    dense = [i for i, (_, grads) in enumerate(members)
+             if not isinstance(grads[0], tf.IndexedSlices)]
+    if dense:
+        key = keys.take()
+        for replica in range(ctx.num_replicas):
+            with tf.device(ctx.replica_tf_device(replica)):
+                grads = [members[i][1][replica] for i in dense]
+                mean = _reduce_dense(grads, sync, group_size, key,
+                                     f"{replica_scope(replica)}/{members[dense[0]][0]}")
+                for i, grad in zip(dense, mean):
+                    reduced[i][replica] = grad
+    for i, (_, grads) in enumerate(members):
+        if i in dense:
+            continue
+        value_key, index_key = keys.take(), keys.take()
+        for replica in range(ctx.num_replicas):
+            with tf.device(ctx.replica_tf_device(replica)):
+                reduced[i][replica] = _gather_sparse(grads[replica], group_size,
+                                                     value_key, index_key)
+    return reduced
+
+
+def _reduce_dense(grads: list, sync, group_size: int, key: int, scope: str) -> list:
+    flat = tf.concat([tf.reshape(g, [-1]) for g in grads], 0) if len(grads) > 1 \
+        else tf.reshape(grads[0], [-1])
+    compressor = make_compressor(_COMPRESSOR_NAMES(sync.compressor), scope)
+    wire, ctx = compressor.compress(flat)
+    summed = tf.raw_ops.CollectiveReduceV2(
+        input=wire, group_size=group_size, group_key=COLLECTIVE_GROUP_KEY,
+        instance_key=key, ordering_token=[], merge_op="Add", final_op="Div")
+    mean = compressor.decompress(summed, ctx)
+    sizes = [g.shape.num_elements() for g in grads]
+    return [tf.reshape(piece, g.shape) for piece, g in zip(tf.split(mean, sizes), grads)]
+
+
+def _gather_sparse(grad: tf.IndexedSlices, group_size: int, value_key: int,
+                   index_key: int) -> tf.IndexedSlices:
+    values = tf.raw_ops.CollectiveGatherV2(
+        input=grad.values, group_size=group_size, group_key=COLLECTIVE_GROUP_KEY,
+        instance_key=value_key, ordering_token=[])
+    indices = tf.raw_ops.CollectiveGatherV2(
+        input=tf.cast(grad.indices, tf.int64), group_size=group_size,
+        group_key=COLLECTIVE_GROUP_KEY, instance_key=index_key, ordering_token=[])
+    return tf.IndexedSlices(values / float(group_size), indices, grad.dense_shape)

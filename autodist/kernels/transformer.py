@@ -1,0 +1,242 @@
+"""GraphTransformer: turns the single-device graph into this node's distributed graph.
+
+The stages, each owned by one kernel module:
+
+1. replicator.import_shared      inputs, non-trainable variables, initial values
+2. storage (partitioner + synchronizers)
+                                 each variable part placed per its synchronizer;
+                                 partitioned variables re-stitched per replica
+3. replicator.replicate          the model once per local replica
+4. synchronizers                 gradients cut per part, then PS-averaged or
+                                 all-reduced (grouped, compressed)
+5. update                        the user's optimizer applied to every stored copy;
+                                 proxies refreshed
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import tensorflow as tf
+
+from autodist import _tf_compat
+from autodist.graph_item import GraphItem
+from autodist.kernels import partitioner, replicator
+from autodist.kernels.all_reduce_synchronizer import (
+    CollectiveKeys, all_reduce_group, create_all_reduce_storage)
+from autodist.kernels.context import KernelContext, replica_scope
+from autodist.kernels.ps_synchronizer import (
+    create_ps_storage, reduce_ps_gradients, refresh_proxies)
+from autodist.strategy.compiler import CompiledStrategy, CompiledVariable
+
+
+@dataclasses.dataclass
+class PartStorage:
+    """Where one variable part lives: its stored copies and what each replica reads."""
+
+    part: object            # compiler.VariablePart
+    copies: list            # PS: [shared]; AllReduce: one per replica
+    readers: list           # per replica
+
+
+@dataclasses.dataclass
+class VariableStorage:
+    compiled: CompiledVariable
+    parts: list
+    handles: list           # per replica: the resource handle the model reads
+    full_value: tf.Tensor   # the whole, synchronized value (what a fetch returns)
+
+
+@dataclasses.dataclass
+class DistributedGraph:
+    """The rewritten graph and what the session needs to map user fetches onto it."""
+
+    graph: tf.Graph
+    item: GraphItem
+    ctx: KernelContext
+    storage: dict
+    train_op: Optional[tf.Operation] = None
+    init_op: Optional[tf.Operation] = None
+    variable_inits: dict = dataclasses.field(default_factory=dict)
+
+    def replica_element(self, name: str, replica: int):
+        """The replica's copy of an op or tensor of the original graph."""
+        scoped = f"{replica_scope(replica)}/{name}" if self.item.is_replicated(name) else name
+        if ":" in scoped:
+            return self.graph.get_tensor_by_name(scoped)
+        return self.graph.get_operation_by_name(scoped)
+
+
+def transform(item: GraphItem, compiled: CompiledStrategy, ctx: KernelContext,
+              group_size: Optional[int] = None) -> DistributedGraph:
+    """Builds this node's distributed graph.
+
+    Args:
+        item: the analysed single-device graph.
+        compiled: the validated strategy.
+        ctx: this node's replicas and device names.
+        group_size: replicas in the whole cluster (defaults to this node's).
+
+    Returns:
+        DistributedGraph
+    """
+    result = DistributedGraph(graph=tf.Graph(), item=item, ctx=ctx, storage={})
+    deferred = []
+    with result.graph.as_default():
+        replicator.import_shared(item, ctx, deferred)
+        shared_variables = _register_shared_variables(item)
+        for name, variable in compiled.variables.items():
+            result.storage[name] = _create_storage(item, variable, ctx)
+        replicator.replicate(item, ctx, {n: s.handles for n, s in result.storage.items()},
+                             deferred)
+        updates, proxy_parts = _synchronize(result, group_size or ctx.num_replicas)
+        result.train_op = _apply_updates(item, updates, proxy_parts, shared_variables)
+        result.variable_inits = {
+            name: tf.group(*[c.initializer for p in s.parts for c in p.copies + p.readers])
+            for name, s in result.storage.items()}
+        _reconnect(result, deferred)
+        result.init_op = tf.group(tf.compat.v1.global_variables_initializer(),
+                                  tf.compat.v1.local_variables_initializer(),
+                                  name="autodist_init")
+    return result
+
+
+def _create_storage(item: GraphItem, variable: CompiledVariable,
+                    ctx: KernelContext) -> VariableStorage:
+    graph = tf.compat.v1.get_default_graph()
+    initial_value = graph.get_tensor_by_name(item.variables[variable.info.name].initial_value.name)
+    values = ([initial_value] if variable.plan is None
+              else partitioner.split_value(initial_value, variable.plan))
+    parts = []
+    for part, value in zip(variable.parts, values):
+        if part.is_ps:
+            shared, readers = create_ps_storage(part.name, value, part.synchronizer, ctx)
+            parts.append(PartStorage(part, [shared], readers))
+        else:
+            copies = create_all_reduce_storage(part.name, value, ctx)
+            parts.append(PartStorage(part, copies, copies))
+    with tf.device(ctx.shared_device):
+        full_value = (parts[0].copies[0].read_value() if variable.plan is None else
+                      partitioner.stitch([p.copies[0].read_value() for p in parts], variable.plan))
+    if variable.plan is None:
+        handles = [reader.handle for reader in parts[0].readers]
+    else:
+        handles = [_stitched_handle(variable, parts, replica, ctx)
+                   for replica in range(ctx.num_replicas)]
+    return VariableStorage(variable, parts, handles, full_value)
+
+
+def _stitched_handle(variable: CompiledVariable, parts: list, replica: int,
+                     ctx: KernelContext) -> tf.Tensor:
+    """A per-replica variable holding the re-stitched value, refreshed before reads.
+
+    Any consumer of the variable (reads, gathers, loops) can use it unchanged.
+    """
+    with tf.device(ctx.replica_tf_device(replica)):
+        stitched = tf.Variable(tf.zeros(variable.info.shape, variable.info.dtype),
+                               trainable=False, collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES],
+                               name=f"{replica_scope(replica)}/{variable.info.name}/stitched")
+        refresh = stitched.assign(partitioner.stitch(
+            [p.readers[replica].read_value() for p in parts], variable.plan))
+        with tf.control_dependencies([refresh]):
+            return tf.identity(stitched.handle)
+
+
+def _synchronize(result: DistributedGraph, group_size: int):
+    """Reduced gradients paired with the copies they update, plus PS parts with proxies."""
+    item, ctx = result.item, result.ctx
+    updates, proxy_parts, groups = [], [], {}
+    for name, storage in result.storage.items():
+        ref = item.gradients.get(name)
+        if ref is None:
+            continue
+        per_replica = [_replica_gradient(result, ref, r) for r in range(ctx.num_replicas)]
+        plan = storage.compiled.plan
+        if plan is not None:
+            with tf.name_scope(f"{name}/partition_gradient"):
+                cut = [partitioner.split_gradient(g, plan) for g in per_replica]
+            per_part = [[cut[r][i] for r in range(ctx.num_replicas)]
+                        for i in range(plan.num_parts)]
+        else:
+            per_part = [per_replica]
+        for part_storage, grads in zip(storage.parts, per_part):
+            sync = part_storage.part.synchronizer
+            if part_storage.part.is_ps:
+                updates.append((reduce_ps_gradients(grads, sync, ctx), part_storage.copies[0]))
+                if part_storage.readers[0] is not part_storage.copies[0]:
+                    proxy_parts.append(part_storage)
+            else:
+                groups.setdefault(sync.group, []).append((part_storage, grads))
+    keys = CollectiveKeys()
+    for group in sorted(groups):
+        members = groups[group]
+        reduced = all_reduce_group([(p.part.name, g) for p, g in members],
+                                   members[0][0].part.synchronizer, group_size, keys, ctx)
+        for (part_storage, _), grads in zip(members, reduced):
+            updates.extend(zip(grads, part_storage.copies))
+    return updates, proxy_parts
+
+
+def _replica_gradient(result: DistributedGraph, ref, replica: int):
+    values = result.replica_element(ref.values, replica)
+    if not ref.sparse:
+        return values
+    shape = result.replica_element(ref.dense_shape, replica) if ref.dense_shape else None
+    return tf.IndexedSlices(values, result.replica_element(ref.indices, replica), shape)
+
+
+def _register_shared_variables(item: GraphItem) -> dict:
+    """Python objects (and collection entries) for the imported non-trainable variables."""
+    graph = tf.compat.v1.get_default_graph()
+    local = {v.op.name for v in item.graph.get_collection(tf.compat.v1.GraphKeys.LOCAL_VARIABLES)}
+    variables = {}
+    for original in item.other_variables:
+        variable = _tf_compat.variable_from_graph(original, graph)
+        key = (tf.compat.v1.GraphKeys.LOCAL_VARIABLES if original.op.name in local
+               else tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)
+        graph.add_to_collection(key, variable)
+        variables[original.op.name] = variable
+    return variables
+
+
+def _apply_updates(item: GraphItem, updates: list, proxy_parts: list,
+                   shared_variables: dict) -> tf.Operation:
+    """Runs the user's optimizer on every stored copy, then refreshes proxies."""
+    graph = tf.compat.v1.get_default_graph()
+    call = item.optimizer_call
+
+    def translate(value):
+        if value.op.name in call.update_op_names:
+            return None  # prepared by apply_gradients itself, again in the new graph
+        if isinstance(value, tf.Variable):
+            return shared_variables[value.op.name].read_value()
+        return graph.get_tensor_by_name(value.name)
+
+    optimizer = _tf_compat.optimizer_for_graph(call.optimizer, translate)
+    global_step = (None if call.global_step is None
+                   else shared_variables[call.global_step.op.name])
+    apply = optimizer.apply_gradients(updates, global_step=global_step)
+    if not proxy_parts:
+        return apply
+    with tf.control_dependencies([apply]):
+        counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="autodist_step")
+        step = counter.assign_add(1)
+        refreshes = [refresh_proxies(p.copies[0], p.readers, p.part.synchronizer.staleness, step)
+                     for p in proxy_parts]
+    return tf.group(apply, *refreshes, name="autodist_train_op")
+
+
+def _reconnect(result: DistributedGraph, deferred: list) -> None:
+    """Restores control edges that pointed at ops AutoDist recreated."""
+    graph, item = result.graph, result.item
+    for node, source in deferred:
+        if source in item.initializer_of:
+            target = result.variable_inits[item.initializer_of[source]]
+        elif source in item.optimizer_call.update_op_names:
+            target = result.train_op
+        elif source in item.replicated:
+            target = tf.group(*[result.replica_element(source, r)
+                                for r in range(result.ctx.num_replicas)])
+        else:
+            target = graph.get_operation_by_name(source)
+        _tf_compat.add_control_inputs(graph.get_operation_by_name(node), [target])

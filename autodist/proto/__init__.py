@@ -1,0 +1,1 @@
+"""Generated protocol buffer modules (run ``scripts/gen_protos.py`` to refresh)."""

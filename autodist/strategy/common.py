@@ -1,0 +1,294 @@
+"""Helpers shared by the strategy builders: node configs, partitioning, placement.
+
+Partition convention (kernels rely on it): a variable split into ``k`` parts
+along ``axis`` has the partitioner string with ``k`` at ``axis`` and ``1``
+elsewhere (``"1,3,1"``), and ``k`` part configs named ``"<var>/part_<i>"`` in
+order. Part ``i`` holds a contiguous slice; when the size ``n`` along the axis
+is not a multiple of ``k``, the first ``n % k`` parts hold one extra row
+(:func:`partition_sizes`).
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple
+
+from autodist.proto import strategy_pb2
+from autodist.proto import synchronizers_pb2
+from autodist.strategy.base import Strategy, StrategyError
+
+Node = strategy_pb2.Strategy.Node
+_AR = synchronizers_pb2.AllReduceSynchronizer
+
+
+# --------------------------------------------------------------------------- argument checks
+
+def check_sync_args(sync: bool, staleness: int) -> None:
+    """Validates the PS synchronization arguments.
+
+    ``sync=False`` means asynchronous training bounded by ``staleness``; both
+    values are stored as given.
+
+    Raises:
+        ValueError: if ``sync`` is not a bool or ``staleness`` is not a
+            non-negative int.
+    """
+    if not isinstance(sync, bool):
+        raise ValueError(f"sync must be a bool, got sync={sync!r}.")
+    if isinstance(staleness, bool) or not isinstance(staleness, numbers.Integral) or staleness < 0:
+        raise ValueError(f"staleness must be an int >= 0, got staleness={staleness!r}.")
+
+
+def check_positive_int(name: str, value: Optional[int], allow_none: bool = False) -> None:
+    """Validates an int >= 1 argument such as ``chunk_size`` or ``num_partitions``.
+
+    Raises:
+        ValueError: naming ``name`` and ``value`` when invalid.
+    """
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        suffix = " or None" if allow_none else ""
+        raise ValueError(f"{name} must be an int >= 1{suffix}, got {name}={value!r}.")
+
+
+def ar_spec_value(name: str) -> int:
+    """Maps an all-reduce spec name to its ``AllReduceSynchronizer.Spec`` value.
+
+    Raises:
+        ValueError: listing the valid names when ``name`` is unknown.
+    """
+    valid = list(_AR.Spec.keys())
+    if name not in valid:
+        raise ValueError(f"Unknown all_reduce_spec={name!r}; valid names are {valid}.")
+    return _AR.Spec.Value(name)
+
+
+def ar_compressor_value(name: str) -> int:
+    """Maps a compressor name to its ``AllReduceSynchronizer.Compressor`` value.
+
+    Raises:
+        ValueError: listing the valid names when ``name`` is unknown.
+    """
+    valid = list(_AR.Compressor.keys())
+    if name not in valid:
+        raise ValueError(f"Unknown compressor={name!r}; valid names are {valid}.")
+    return _AR.Compressor.Value(name)
+
+
+# --------------------------------------------------------------------------- strategy skeleton
+
+def new_strategy(resource_spec) -> Strategy:
+    """Makes an empty strategy whose replicas are the spec's replica devices.
+
+    Returns:
+        Strategy: with ``graph_config.replicas`` set and no node configs.
+
+    Raises:
+        StrategyError: if the spec has no replica device.
+    """
+    replicas = [d.name_string() for d in resource_spec.replica_devices]
+    if not replicas:
+        raise StrategyError("The resource spec has no replica devices; cannot build a strategy.")
+    strategy = Strategy()
+    strategy.proto.graph_config.replicas.extend(replicas)
+    return strategy
+
+
+def ps_device_names(resource_spec) -> List[str]:
+    """Returns the parameter-server device strings, chief's CPU first.
+
+    Raises:
+        StrategyError: if the spec has no PS device.
+    """
+    names = [d.name_string() for d in resource_spec.ps_devices]
+    if not names:
+        raise StrategyError("The resource spec has no ps_devices; PS strategies need at least one.")
+    return names
+
+
+# --------------------------------------------------------------------------- node configs
+
+def ps_node_config(var_name: str, reduction_destination: str, local_replication: bool = False,
+                   sync: bool = True, staleness: int = 0) -> Node:
+    """Makes a node config synchronized by a parameter server.
+
+    Returns:
+        strategy_pb2.Strategy.Node: with its ``PSSynchronizer`` set.
+    """
+    node = Node(var_name=var_name)
+    ps = node.PSSynchronizer
+    ps.reduction_destination = reduction_destination
+    ps.local_replication = local_replication
+    ps.sync = sync
+    ps.staleness = staleness
+    return node
+
+
+def ar_node_config(var_name: str, group: int, spec: str = "AUTO",
+                   compressor: str = "NoneCompressor") -> Node:
+    """Makes a node config synchronized by all-reduce.
+
+    Returns:
+        strategy_pb2.Strategy.Node: with its ``AllReduceSynchronizer`` set.
+
+    Raises:
+        ValueError: if ``spec`` or ``compressor`` is not a valid enum name.
+    """
+    node = Node(var_name=var_name)
+    ar = node.AllReduceSynchronizer
+    ar.spec = ar_spec_value(spec)
+    ar.compressor = ar_compressor_value(compressor)
+    ar.group = group
+    return node
+
+
+def partitioned_node_config(var_name: str, axis: int, rank: int,
+                            part_configs: Sequence[Node]) -> Node:
+    """Makes the top-level config of a partitioned variable.
+
+    The top node carries only the partitioner; each part carries its own
+    synchronizer.
+
+    Returns:
+        strategy_pb2.Strategy.Node: with ``partitioner`` and ``part_config`` set.
+    """
+    node = Node(var_name=var_name,
+                partitioner=partitioner_string(len(part_configs), axis, rank))
+    node.part_config.extend(part_configs)
+    return node
+
+
+# --------------------------------------------------------------------------- partitioning
+
+def partitioner_string(num_parts: int, axis: int, rank: int) -> str:
+    """Formats a partitioner: ``num_parts`` at ``axis``, 1 elsewhere, e.g. ``"1,3,1"``.
+
+    Raises:
+        ValueError: if ``axis`` is outside ``[0, rank)`` or ``num_parts < 1``.
+    """
+    if not 0 <= axis < rank:
+        raise ValueError(f"axis={axis} is out of range for a variable of rank={rank}.")
+    if num_parts < 1:
+        raise ValueError(f"num_parts must be >= 1, got num_parts={num_parts}.")
+    return ",".join(str(num_parts) if i == axis else "1" for i in range(rank))
+
+
+def part_name(var_name: str, index: int) -> str:
+    """Returns the name of partition ``index`` of ``var_name``: ``"<var>/part_<i>"``."""
+    return f"{var_name}/part_{index}"
+
+
+def partition_sizes(dim: int, num_parts: int) -> List[int]:
+    """Splits ``dim`` rows into ``num_parts`` contiguous parts differing by at most one.
+
+    The first ``dim % num_parts`` parts get the extra row.
+
+    Raises:
+        ValueError: if ``num_parts`` is not in ``[1, dim]``.
+    """
+    if not 1 <= num_parts <= dim:
+        raise ValueError(f"Cannot split dim={dim} into num_parts={num_parts}; need 1 <= parts <= dim.")
+    base, extra = divmod(dim, num_parts)
+    return [base + 1 if i < extra else base for i in range(num_parts)]
+
+
+def part_shapes(shape: Sequence[int], axis: int, num_parts: int) -> List[Tuple[int, ...]]:
+    """Returns the shapes of the parts of ``shape`` split along ``axis``."""
+    shape = tuple(int(d) for d in shape)
+    return [shape[:axis] + (rows,) + shape[axis + 1:]
+            for rows in partition_sizes(shape[axis], num_parts)]
+
+
+def part_sizes_bytes(var, axis: int, num_parts: int) -> List[int]:
+    """Returns the byte size of each part of ``var`` (a ``VariableInfo``) split along ``axis``."""
+    row_bytes = var.size_bytes // int(var.shape[axis])
+    return [rows * row_bytes for rows in partition_sizes(int(var.shape[axis]), num_parts)]
+
+
+def largest_divisor_at_most(n: int, limit: int) -> int:
+    """Returns the largest divisor of ``n`` that is ``<= limit`` (at least 1)."""
+    for k in range(min(n, limit), 1, -1):
+        if n % k == 0:
+            return k
+    return 1
+
+
+def _splittable_rows(shape: Sequence[int]) -> int:
+    """Returns ``shape[0]`` when axis 0 can be split (rank >= 1, size >= 2), else 0."""
+    return int(shape[0]) if len(shape) >= 1 and int(shape[0]) >= 2 else 0
+
+
+def num_shards_even(shape: Sequence[int], num_ps: int) -> int:
+    """Number of axis-0 shards for :class:`PartitionedPS`.
+
+    The largest divisor of ``shape[0]`` that is ``<= max(2, num_ps)``: on a
+    single node (one PS device) variables are still split in two, so that the
+    partitioning path is exercised and shards can be updated independently.
+
+    Returns:
+        int: 1 for scalars or ``shape[0] < 2`` (not partitioned).
+    """
+    rows = _splittable_rows(shape)
+    return largest_divisor_at_most(rows, max(2, num_ps)) if rows else 1
+
+
+def num_shards_uneven(shape: Sequence[int], num_ps: int) -> int:
+    """Number of axis-0 shards for :class:`UnevenPartitionedPS`: ``min(max(2, num_ps), shape[0])``.
+
+    Returns:
+        int: 1 for scalars or ``shape[0] < 2`` (not partitioned).
+    """
+    rows = _splittable_rows(shape)
+    return min(max(2, num_ps), rows) if rows else 1
+
+
+def num_ar_partitions(dim: int, num_partitions: Optional[int], num_replicas: int) -> int:
+    """Number of all-reduce partitions along an axis of size ``dim``.
+
+    ``min(num_partitions or max(2, num_replicas), dim)``; 1 when ``dim < 2``.
+    """
+    if dim < 2:
+        return 1
+    return min(num_partitions or max(2, num_replicas), dim)
+
+
+# --------------------------------------------------------------------------- placement
+
+def balanced_placement(items: Sequence[Tuple[Hashable, int]], devices: Sequence[str],
+                       initial_loads: Optional[Dict[str, int]] = None
+                       ) -> Tuple[Dict[Hashable, str], Dict[str, int]]:
+    """Greedily places items on devices, balancing bytes.
+
+    Items are taken largest first (ties in the given order) and each goes to
+    the currently least-loaded device, ties broken by device order. Taking the
+    largest first keeps the final imbalance at most the size of one item.
+
+    Args:
+        items: ``(key, size_bytes)`` pairs; keys must be unique.
+        devices: candidate device strings, in priority order.
+        initial_loads: bytes already on some devices (e.g. pinned variables).
+
+    Returns:
+        tuple: ``(placement, loads)``: key -> device, and device -> total bytes.
+
+    Raises:
+        StrategyError: if ``devices`` is empty.
+    """
+    if not devices:
+        raise StrategyError("balanced_placement needs at least one device, got devices=[].")
+    loads = {d: 0 for d in devices}
+    for device, size in (initial_loads or {}).items():
+        loads[device] = loads.get(device, 0) + size
+    order = {d: i for i, d in enumerate(devices)}
+    placement: Dict[Hashable, str] = {}
+    ranked = sorted(enumerate(items), key=lambda pair: (-pair[1][1], pair[0]))
+    for _, (key, size) in ranked:
+        target = min(devices, key=lambda d: (loads[d], order[d]))
+        placement[key] = target
+        loads[target] += size
+    return placement, loads
+
+
+def chunk_group(index: int, chunk_size: int) -> int:
+    """All-reduce group of the ``index``-th all-reduced unit: ``index // chunk_size``."""
+    return index // chunk_size

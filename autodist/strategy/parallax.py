@@ -1,0 +1,52 @@
+"""Parallax: parameter servers for sparse gradients, all-reduce for dense ones."""
+from __future__ import annotations
+
+from autodist.strategy import common
+from autodist.strategy.all_reduce_builders import ARConfig
+from autodist.strategy.base import Strategy, StrategyBuilder
+from autodist.strategy.ps_builders import PSConfig, sharded_ps_node_configs
+
+
+class Parallax(StrategyBuilder):
+    """Hybrid strategy chosen by gradient type.
+
+    Variables with ``sparse_grad`` (embeddings) go to parameter servers, split
+    along axis 0 and byte-balanced exactly as in :class:`PartitionedPS`, since
+    a sparse update touches few rows. Dense variables are all-reduced with
+    ``group = index // chunk_size`` over the dense variables in order.
+    Variables without a gradient are kept whole on the chief's CPU.
+
+    Args:
+        chunk_size: dense variables per all-reduce group.
+        local_proxy_variable: keep a local proxy copy of each sparse variable per node.
+        sync: synchronous PS training; False for asynchronous with ``staleness``.
+        staleness: bound on how stale a replica's read of a PS variable may be.
+        all_reduce_spec: an ``AllReduceSynchronizer.Spec`` name.
+        compressor: an ``AllReduceSynchronizer.Compressor`` name.
+
+    Raises:
+        ValueError: for a bad ``chunk_size``, ``staleness`` or enum name.
+    """
+
+    def __init__(self, chunk_size: int = 128, local_proxy_variable: bool = False,
+                 sync: bool = True, staleness: int = 0, all_reduce_spec: str = "AUTO",
+                 compressor: str = "NoneCompressor"):
+        self._ar = ARConfig(chunk_size, all_reduce_spec, compressor)
+        self._ps = PSConfig(local_proxy_variable, sync, staleness)
+
+    def build(self, graph_item, resource_spec) -> Strategy:
+        strategy = common.new_strategy(resource_spec)
+        variables = list(graph_item.trainable_variables)
+        ps_vars = [v for v in variables if v.sparse_grad or not v.has_grad]
+        ps_nodes = {}
+        if ps_vars:
+            ps_nodes = sharded_ps_node_configs(ps_vars, common.ps_device_names(resource_spec),
+                                               self._ps, common.num_shards_even)
+        index = 0
+        for var in variables:
+            if var.name in ps_nodes:
+                strategy.node_config.append(ps_nodes[var.name])
+            else:
+                strategy.node_config.append(self._ar.node(var.name, index))
+                index += 1
+        return strategy

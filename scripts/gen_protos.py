@@ -1,0 +1,98 @@
+"""Compiles ``proto/*.proto`` into ``autodist/proto/*_pb2.py``.
+
+The generated modules are checked in; run this script from anywhere after
+editing a ``.proto`` file::
+
+    python scripts/gen_protos.py
+
+``tests/test_protos_in_sync.py`` fails when the checked-in modules are stale.
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import subprocess
+import sys
+from typing import List, Optional
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+PROTO_DIR = REPO_ROOT / "proto"
+# The .proto files import each other as "autodist/proto/<name>.proto", so the
+# source directory is mapped onto that virtual path for protoc.
+VIRTUAL_PROTO_PATH = "autodist/proto"
+
+
+def proto_sources(proto_dir: pathlib.Path = PROTO_DIR) -> List[pathlib.Path]:
+    """Lists the ``.proto`` files to compile.
+
+    Args:
+        proto_dir: directory holding the ``.proto`` sources.
+
+    Returns:
+        list[pathlib.Path]: the sources, sorted by name.
+
+    Raises:
+        FileNotFoundError: if ``proto_dir`` holds no ``.proto`` file.
+    """
+    sources = sorted(proto_dir.glob("*.proto"))
+    if not sources:
+        raise FileNotFoundError(f"No .proto files found in proto_dir={str(proto_dir)!r}.")
+    return sources
+
+
+def generate(out_dir: pathlib.Path = REPO_ROOT,
+             proto_dir: pathlib.Path = PROTO_DIR) -> List[pathlib.Path]:
+    """Runs protoc on every source, writing ``<out_dir>/autodist/proto/*_pb2.py``.
+
+    Args:
+        out_dir: root the generated package path is written under; the repo
+            root for the checked-in files, a temporary directory for checks.
+        proto_dir: directory holding the ``.proto`` sources.
+
+    Returns:
+        list[pathlib.Path]: the generated ``*_pb2.py`` files.
+
+    Raises:
+        RuntimeError: if protoc reports an error.
+    """
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # With a virtual mapping protoc expects the sources by their virtual names.
+    sources = [f"{VIRTUAL_PROTO_PATH}/{p.name}" for p in proto_sources(proto_dir)]
+    # protoc runs in a child process: loading grpc_tools' bundled compiler into
+    # a process that already imported TensorFlow crashes (both link protobuf).
+    # grpc_tools.protoc adds the well-known-types include path itself.
+    args = [
+        sys.executable, "-m", "grpc_tools.protoc",
+        f"-I{VIRTUAL_PROTO_PATH}={proto_dir}",
+        f"--python_out={out_dir}",
+        *sources,
+    ]
+    result = subprocess.run(args, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"protoc failed with exit code {result.returncode} for arguments "
+                           f"{args!r}: {result.stderr.strip()}")
+    gen_dir = out_dir / VIRTUAL_PROTO_PATH
+    return [gen_dir / (pathlib.Path(s).stem + "_pb2.py") for s in sources]
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Command-line entry point.
+
+    Args:
+        argv: arguments without the program name; ``sys.argv[1:]`` when None.
+
+    Returns:
+        int: the process exit code.
+    """
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out_dir", type=pathlib.Path, default=REPO_ROOT,
+                        help="root directory to write autodist/proto/*_pb2.py under")
+    args = parser.parse_args(argv)
+    for path in generate(args.out_dir):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

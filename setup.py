@@ -1,0 +1,19 @@
+"""Installs AutoDist. Generated protobuf modules are checked in (see scripts/gen_protos.py)."""
+from setuptools import find_packages, setup
+
+setup(
+    name="autodist",
+    version="0.1.0",
+    description="Distributed training of single-device TensorFlow models by explicit strategies",
+    python_requires=">=3.11",
+    packages=find_packages(include=["autodist", "autodist.*"]),
+    install_requires=[
+        "tensorflow>=2.21,<2.22",
+        "protobuf>=7.35.1",
+        "numpy",
+        "PyYAML",
+    ],
+    extras_require={
+        "test": ["pytest", "pytest-timeout", "grpcio-tools>=1.85"],
+    },
+)
