@@ -66,11 +66,10 @@ def all_reduce_group(members: list, sync, group_size: int, keys: CollectiveKeys,
     for i, (_, grads) in enumerate(members):
         if i in dense:
             continue
-        value_key, index_key = keys.take(), keys.take()
+        sparse_keys = (keys.take(), keys.take(), keys.take())
         for replica in range(ctx.num_replicas):
             with tf.device(ctx.replica_tf_device(replica)):
-                reduced[i][replica] = _gather_sparse(grads[replica], group_size,
-                                                     value_key, index_key)
+                reduced[i][replica] = _gather_sparse(grads[replica], group_size, sparse_keys)
     return reduced
 
 
@@ -87,12 +86,28 @@ def _reduce_dense(grads: list, sync, group_size: int, key: int, scope: str) -> l
     return [tf.reshape(piece, g.shape) for piece, g in zip(tf.split(mean, sizes), grads)]
 
 
-def _gather_sparse(grad: tf.IndexedSlices, group_size: int, value_key: int,
-                   index_key: int) -> tf.IndexedSlices:
-    values = tf.raw_ops.CollectiveGatherV2(
-        input=grad.values, group_size=group_size, group_key=COLLECTIVE_GROUP_KEY,
-        instance_key=value_key, ordering_token=[])
-    indices = tf.raw_ops.CollectiveGatherV2(
-        input=tf.cast(grad.indices, tf.int64), group_size=group_size,
-        group_key=COLLECTIVE_GROUP_KEY, instance_key=index_key, ordering_token=[])
-    return tf.IndexedSlices(values / float(group_size), indices, grad.dense_shape)
+def _gather_sparse(grad: tf.IndexedSlices, group_size: int, keys: tuple) -> tf.IndexedSlices:
+    """All-gathers an IndexedSlices gradient and averages it.
+
+    Replicas may hold different numbers of rows (a partition owns the rows whose
+    ids fall in its range), but a gather needs equal shapes: every replica pads to
+    the largest count with rows of index -1, which are dropped after the gather.
+    """
+    count_key, value_key, index_key = keys
+    indices = tf.cast(grad.indices, tf.int64)
+    count = tf.shape(indices, out_type=tf.int64)[:1]
+    longest = tf.reduce_max(_gather(count, group_size, count_key))
+    padding = longest - count[0]
+    values = tf.pad(grad.values, [[0, padding]] + [[0, 0]] * (grad.values.shape.rank - 1))
+    indices = tf.pad(indices, [[0, padding]], constant_values=-1)
+    values = _gather(values, group_size, value_key)
+    indices = _gather(indices, group_size, index_key)
+    real = indices >= 0
+    return tf.IndexedSlices(tf.boolean_mask(values, real) / float(group_size),
+                            tf.boolean_mask(indices, real), grad.dense_shape)
+
+
+def _gather(tensor: tf.Tensor, group_size: int, instance_key: int) -> tf.Tensor:
+    return tf.raw_ops.CollectiveGatherV2(
+        input=tensor, group_size=group_size, group_key=COLLECTIVE_GROUP_KEY,
+        instance_key=instance_key, ordering_token=[])
