@@ -4,6 +4,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import numpy as np
+import tensorflow as tf
+
 
 @dataclasses.dataclass(frozen=True)
 class VariableInfo:
@@ -32,7 +35,6 @@ class VariableInfo:
 
     @property
     def size_bytes(self) -> int:
-        import numpy as np
         return self.num_elements * np.dtype(self.dtype).itemsize
 
 
@@ -77,8 +79,7 @@ class GraphItem:
         ValueError: when the graph has no captured optimizer call.
     """
 
-    def __init__(self, graph, optimizer_call):
-        import tensorflow as tf
+    def __init__(self, graph: tf.Graph, optimizer_call):
         if optimizer_call is None:
             raise ValueError(
                 "AutoDist found no optimizer in the graph: build the model and call a "
