@@ -21,6 +21,7 @@ class OptimizerCall:
     """One ``apply_gradients`` call seen while building the user's graph.
 
     Attributes:
+        graph: the graph the call built ops in.
         optimizer: the optimizer object the user built.
         grads_and_vars: what it was asked to apply (tensors of the original graph).
         global_step: the step variable passed in, or None.
@@ -28,6 +29,7 @@ class OptimizerCall:
         result_op_name: the op ``apply_gradients`` returned (the user's train op).
     """
 
+    graph: tf.Graph
     optimizer: _V1Optimizer
     grads_and_vars: list
     global_step: object
@@ -50,7 +52,7 @@ def capture_apply_gradients(record: Callable[[OptimizerCall], None]) -> Iterator
         before = {op.name for op in graph.get_operations()}
         result = original(self, grads_and_vars, global_step=global_step, name=name)
         created = frozenset(op.name for op in graph.get_operations()) - before
-        record(OptimizerCall(self, grads_and_vars, global_step, created, result.name))
+        record(OptimizerCall(graph, self, grads_and_vars, global_step, created, result.name))
         return result
 
     _V1Optimizer.apply_gradients = recording_apply_gradients

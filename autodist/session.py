@@ -1,10 +1,16 @@
 """DistributedSession: runs the user's fetches and feeds on the distributed graph."""
 from __future__ import annotations
 
+import threading
+import time
+from typing import Callable, Optional
+
 import tensorflow as tf
 
 from autodist import _tf_compat
 from autodist.kernels.transformer import DistributedGraph
+
+_MONITOR_INTERVAL_S = 0.5
 
 
 class DistributedSession:
@@ -20,9 +26,13 @@ class DistributedSession:
         distributed: the transformed graph.
         config: the ``tf.compat.v1.ConfigProto`` for the underlying session.
         target: the TensorFlow server to connect to ('' in-process).
+        init_timeout: how long a worker waits for the chief's variables, in seconds.
+        monitor: called about twice a second while a step runs; raises to abort
+            it (the chief uses it to stop waiting for a dead worker).
     """
 
-    def __init__(self, distributed: DistributedGraph, config=None, target: str = ""):
+    def __init__(self, distributed: DistributedGraph, config=None, target: str = "",
+                 init_timeout: float = 120.0, monitor: Optional[Callable[[], None]] = None):
         self._distributed = distributed
         self._graph = distributed.graph
         self._cache = {}
@@ -31,8 +41,49 @@ class DistributedSession:
         for name, variable in item.variables.items():
             self._variable_fetches[variable.handle.name] = name
             self._variable_fetches[_tf_compat.graph_element_name(variable)] = name
-        self._session = tf.compat.v1.Session(target=target, graph=self._graph, config=config)
-        self._session.run(distributed.init_op)
+        self._monitor = monitor
+        self._session = self._watched(tf.compat.v1.Session, target=target, graph=self._graph,
+                                      config=config)
+        self._watched(self._initialize, init_timeout)
+
+    def _watched(self, function, *args, **kwargs):
+        """Calls ``function``; with a monitor, in a thread so a failure elsewhere aborts it."""
+        if self._monitor is None:
+            return function(*args, **kwargs)
+        outcome = {}
+
+        def call():
+            try:
+                outcome["value"] = function(*args, **kwargs)
+            except BaseException as err:  # re-raised in the caller's thread
+                outcome["error"] = err
+
+        thread = threading.Thread(target=call, daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(_MONITOR_INTERVAL_S)
+            if thread.is_alive():
+                self._monitor()
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
+
+    def _initialize(self, timeout: float) -> None:
+        """Initializes this node's variables, on a worker after the chief's."""
+        first, copies = self._distributed.init_ops
+        self._session.run(first)
+        pending = self._distributed.chief_uninitialized
+        deadline = time.monotonic() + timeout
+        while pending is not None:
+            missing = self._session.run(pending)
+            if not len(missing):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"The chief did not initialize {len(missing)} variables within "
+                    f"{timeout:.0f} s (e.g. {missing[0].decode()}); is it running?")
+            time.sleep(0.2)
+        self._session.run(copies)
 
     @property
     def graph(self) -> tf.Graph:
@@ -46,8 +97,8 @@ class DistributedSession:
         for key, value in (feed_dict or {}).items():
             for target in self._map_feed(key):
                 feeds[target] = value
-        return self._session.run(mapped, feed_dict=feeds, options=options,
-                                 run_metadata=run_metadata)
+        return self._watched(self._session.run, mapped, feed_dict=feeds, options=options,
+                             run_metadata=run_metadata)
 
     def close(self) -> None:
         self._session.close()
@@ -100,11 +151,11 @@ class DistributedSession:
 def _element_name(element) -> str:
     if isinstance(element, str):
         return element
-    if isinstance(element, tf.Variable):
-        return element.handle.name
     value = getattr(element, "value", None)  # a Keras 3 variable wraps a tf.Variable
     if isinstance(value, tf.Variable):
-        return value.handle.name
+        element = value
+    if isinstance(element, tf.Variable):
+        return _tf_compat.graph_element_name(element)
     return element.name
 
 

@@ -1,0 +1,290 @@
+"""Numerical equivalence of AutoDist training with single-device training.
+
+Every case trains a model from ``tests/models.py`` for a few steps on one global
+batch, once in a plain ``tf.compat.v1.Session`` and once through AutoDist, and
+compares every variable and every step's fetched loss.
+"""
+import functools
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import models
+from autodist import AutoDist
+from autodist.strategy import (PS, AllReduce, Parallax, PartitionedAR, PartitionedPS,
+                               PSLoadBalancing, RandomAxisPartitionAR, Strategy,
+                               UnevenPartitionedPS)
+from autodist.strategy import common
+
+tf1 = tf.compat.v1
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+STEPS = 3
+ATOL = RTOL = 1e-5
+# float16 on the wire keeps ~3 significant digits; every checked variable moves
+# by more than ten times this during the run (asserted), so it still tells a
+# working all-reduce from a broken one.
+FP16_TOL = 1e-2
+
+OPTIMIZERS = {
+    "sgd": lambda: tf1.train.GradientDescentOptimizer(0.1),
+    "momentum": lambda: tf1.train.MomentumOptimizer(0.1, momentum=0.9),
+    "adam": lambda: tf1.train.AdamOptimizer(0.1),
+    "adagrad": lambda: tf1.train.AdagradOptimizer(0.2),
+}
+
+# Factories, so no two tests share a builder object.
+BUILDERS = {
+    "PS": PS,
+    "PSLoadBalancing": PSLoadBalancing,
+    "PartitionedPS": PartitionedPS,
+    "UnevenPartitionedPS": UnevenPartitionedPS,
+    "AllReduce": AllReduce,
+    "PartitionedAR": PartitionedAR,
+    "RandomAxisPartitionAR": lambda: RandomAxisPartitionAR(seed=0),
+    "Parallax": Parallax,
+    "PS-local_proxy": lambda: PS(local_proxy_variable=True),
+    "AllReduce-chunk_size_1": lambda: AllReduce(chunk_size=1),
+    "Parallax-local_proxy": lambda: Parallax(local_proxy_variable=True),
+}
+
+
+# ----------------------------------------------------------------------------- harness
+
+@functools.lru_cache(maxsize=None)
+def train_single(model: str, optimizer: str, steps: int = STEPS):
+    """Single-device reference: (losses per step, initial values, final values)."""
+    with tf.Graph().as_default():
+        built = models.MODELS[model](OPTIMIZERS[optimizer])
+        variables = [models.as_tf_variable(v) for v in built.variables]
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            initial = sess.run(variables)
+            losses = [sess.run([built.loss, built.train_op], built.feeds)[0]
+                      for _ in range(steps)]
+            return losses, initial, sess.run(variables)
+
+
+def train_autodist(spec: str, builder, model: str, optimizer: str, steps: int = STEPS):
+    """AutoDist run: (losses per step, final values, the strategy used)."""
+    ad = AutoDist(resource_spec_file=spec, strategy_builder=builder)
+    with tf.Graph().as_default(), ad.scope():
+        built = models.MODELS[model](OPTIMIZERS[optimizer])
+        # Fetched as the user holds them: Keras variables for the Keras model.
+        with ad.create_distributed_session() as sess:
+            losses = [sess.run([built.loss, built.train_op], built.feeds)[0]
+                      for _ in range(steps)]
+            return losses, sess.run(built.variables), ad.strategy
+
+
+def assert_equivalent(spec, builder, model, optimizer, atol=ATOL, rtol=RTOL):
+    """Trains both ways and compares; returns the AutoDist strategy."""
+    want_losses, _, want = train_single(model, optimizer)
+    losses, got, strategy = train_autodist(spec, builder, model, optimizer)
+    np.testing.assert_allclose(losses, want_losses, rtol=rtol, atol=atol,
+                               err_msg="per-step loss (mean over replicas)")
+    assert len(got) == len(want)
+    for index, (g, w) in enumerate(zip(got, want)):
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=atol,
+                                   err_msg=f"variable #{index} of model {model!r}")
+    return strategy
+
+
+def partitioners(strategy: Strategy) -> dict:
+    return {node.var_name: node.partitioner for node in strategy.node_config}
+
+
+def splits_axis(partitioner: str, axis: int) -> bool:
+    counts = partitioner.split(",") if partitioner else []
+    return axis < len(counts) and int(counts[axis]) > 1
+
+
+# ----------------------------------------------------------------------------- the matrix
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+@pytest.mark.parametrize("model", sorted(models.MODELS))
+@pytest.mark.parametrize("builder", sorted(BUILDERS))
+def test_builder_matches_single_device(spec_path, builder, model, optimizer):
+    assert_equivalent(spec_path, BUILDERS[builder](), model, optimizer)
+
+
+@pytest.mark.parametrize("optimizer", ["momentum", "adagrad"])
+@pytest.mark.parametrize("builder", ["PS", "PartitionedPS", "UnevenPartitionedPS", "AllReduce",
+                                     "PartitionedAR", "Parallax", "PS-local_proxy"])
+def test_optimizers_on_dense_model(spec_path, builder, optimizer):
+    assert_equivalent(spec_path, BUILDERS[builder](), "dense", optimizer)
+
+
+@pytest.mark.parametrize("optimizer", ["momentum", "adagrad"])
+@pytest.mark.parametrize("builder", ["PS", "PartitionedPS", "AllReduce", "PartitionedAR",
+                                     "Parallax"])
+def test_optimizers_with_sparse_gradient(spec_path, builder, optimizer):
+    """Slot updates of IndexedSlices gradients with duplicate ids across replicas."""
+    assert_equivalent(spec_path, BUILDERS[builder](), "embedding", optimizer)
+
+
+# ----------------------------------------------------------------------------- partitioning
+
+def test_partitioners_split_axis_zero_evenly_and_unevenly(spec_path):
+    strategy = assert_equivalent(spec_path, UnevenPartitionedPS(), "partitionable", "adam")
+    cut = partitioners(strategy)
+    assert cut["odd"] == "2,1"   # 7 rows -> parts of 4 and 3
+    assert cut["table"] == "2,1" and cut["bias"] == "2"
+
+
+@pytest.mark.parametrize("seed, axis_one_variables", [
+    (0, {"odd", "wide", "proj"}),   # dense variables cut along axis 1
+    (1, {"table"}),                 # the sparse table cut along axis 1
+])
+def test_random_axis_partition_along_axis_one(spec_path, seed, axis_one_variables):
+    strategy = assert_equivalent(spec_path, RandomAxisPartitionAR(seed=seed),
+                                 "partitionable", "adam")
+    cut = partitioners(strategy)
+    assert {name for name, p in cut.items() if splits_axis(p, 1)} == axis_one_variables
+
+
+def axis_one_strategy(model: str, replicas) -> Strategy:
+    """Hand-made: every matrix cut "1,2", part 0 on the PS and part 1 all-reduced."""
+    with tf.Graph().as_default():
+        models.MODELS[model](OPTIMIZERS["sgd"])
+        variables = [(models.as_tf_variable(v).op.name, v.shape.rank)
+                     for v in tf1.trainable_variables()]
+    strategy = Strategy()
+    strategy.proto.graph_config.replicas.extend(replicas)
+    for name, rank in variables:
+        if rank == 2:
+            parts = [common.ps_node_config(common.part_name(name, 0), replicas[0]),
+                     common.ar_node_config(common.part_name(name, 1), group=0)]
+            strategy.node_config.append(common.partitioned_node_config(name, 1, 2, parts))
+        else:
+            strategy.node_config.append(common.ar_node_config(name, group=1))
+    return strategy
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+@pytest.mark.parametrize("model", ["partitionable", "embedding", "rnn"])
+def test_hand_made_axis_one_strategy_mixing_ps_and_all_reduce(spec_path, model, optimizer):
+    strategy = axis_one_strategy(model, ["localhost:CPU:0", "localhost:CPU:1"])
+    assert "1,2" in partitioners(strategy).values()
+    assert_equivalent(spec_path, strategy, model, optimizer)
+
+
+# ----------------------------------------------------------------------------- four replicas
+
+@pytest.mark.parametrize("builder, model", [
+    ("PS", "dense"),
+    ("AllReduce", "dense"),
+    ("PartitionedAR", "dense"),
+    ("Parallax", "keras"),
+    ("PartitionedPS", "partitionable"),
+    ("UnevenPartitionedPS", "partitionable"),
+    ("RandomAxisPartitionAR", "partitionable"),
+    ("Parallax", "embedding"),
+    ("AllReduce", "embedding"),
+])
+def test_four_replicas_match_single_device(spec_path_4cpu, builder, model):
+    strategy = assert_equivalent(spec_path_4cpu, BUILDERS[builder](), model, "adam")
+    assert len(strategy.replicas) == 4
+
+
+def _run_isolated(script: str) -> subprocess.CompletedProcess:
+    """Runs ``script`` in a fresh interpreter (a crash there cannot end the test run)."""
+    tests_dir = pathlib.Path(models.__file__).resolve().parent
+    prelude = textwrap.dedent(f"""
+        import sys
+        sys.path[:0] = [{str(tests_dir.parent)!r}, {str(tests_dir)!r}]
+    """)
+    return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(script)],
+                          capture_output=True, text=True, timeout=110)
+
+
+def test_four_replicas_partitioned_all_reduce_with_unused_partition(spec_path_4cpu):
+    # The embedding's ids touch none of rows 13..37, i.e. parts 1 and 2 of 4.
+    result = _run_isolated(f"""
+        import numpy as np
+        import test_equivalence as t
+        from autodist.strategy import PartitionedAR
+        t.assert_equivalent({spec_path_4cpu!r}, PartitionedAR(), "embedding", "sgd")
+        print("EQUIVALENT")
+    """)
+    assert result.returncode == 0, f"exit code {result.returncode}: {result.stderr[-2000:]}"
+    assert "EQUIVALENT" in result.stdout
+
+
+# ----------------------------------------------------------------------------- compression
+
+@pytest.mark.parametrize("compressor", ["HorovodCompressor", "HorovodCompressorEF"])
+@pytest.mark.parametrize("model, optimizer", [
+    ("dense", "sgd"), ("dense", "adam"), ("keras", "sgd"), ("embedding", "adam"),
+    ("rnn", "sgd")])
+def test_fp16_compressors_stay_close_to_single_device(spec_path, compressor, model, optimizer):
+    _, initial, want = train_single(model, optimizer)
+    moved = max(np.abs(w - i).max() for w, i in zip(want, initial))
+    assert moved > 10 * FP16_TOL, "the check would be vacuous: variables barely move"
+    _, got, strategy = train_autodist(spec_path, AllReduce(compressor=compressor), model,
+                                      optimizer)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=FP16_TOL, atol=FP16_TOL)
+    # float16 rounding must be visible, or the compressor was not applied.
+    assert max(np.abs(g - w).max() for g, w in zip(got, want)) > 0
+    assert all(n.AllReduceSynchronizer.compressor != 0 for n in strategy.node_config)
+
+
+# ----------------------------------------------------------------------------- fetches, staleness
+
+@pytest.mark.parametrize("builder", ["PS", "AllReduce", "PartitionedAR"])
+@pytest.mark.parametrize("model", ["dense", "embedding"])
+def test_fetched_loss_is_mean_over_replicas_equal_to_global_loss(spec_path, builder, model):
+    with tf.Graph().as_default():
+        built = models.MODELS[model](OPTIMIZERS["sgd"])
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            want = sess.run(built.loss, built.feeds)
+            halves = [sess.run(built.loss, {k: v[i * 4:(i + 1) * 4]
+                                            for k, v in built.feeds.items()})
+                      for i in range(2)]
+    # The halves differ, so only their mean can match the global loss.
+    assert abs(halves[0] - halves[1]) > 1e-2
+    np.testing.assert_allclose(np.mean(halves), want, rtol=1e-6)
+
+    ad = AutoDist(spec_path, BUILDERS[builder]())
+    with tf.Graph().as_default(), ad.scope():
+        built = models.MODELS[model](OPTIMIZERS["sgd"])
+        with ad.create_distributed_session() as sess:
+            got = sess.run(built.loss, built.feeds)
+    assert np.ndim(got) == 0
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("builder, model", [
+    (lambda: PS(sync=False, staleness=2), "dense"),
+    (lambda: PartitionedPS(sync=False, staleness=2), "embedding"),
+    (lambda: PS(local_proxy_variable=True, sync=False, staleness=2), "rnn"),
+], ids=["PS-dense", "PartitionedPS-embedding", "PS-proxy-rnn"])
+def test_bounded_staleness_trains(spec_path, builder, model):
+    ad = AutoDist(spec_path, builder())
+    with tf.Graph().as_default(), ad.scope():
+        built = models.MODELS[model](OPTIMIZERS["sgd"])
+        first = built.variables[0]
+        with ad.create_distributed_session() as sess:
+            losses, values = [], [sess.run(first)]
+            for _ in range(30):
+                losses.append(sess.run([built.loss, built.train_op], built.feeds)[0])
+                values.append(sess.run(first))
+            final = sess.run(built.loss, built.feeds)
+    assert final < 0.6 * losses[0], f"loss {losses[0]:.4f} -> {final:.4f}"
+    assert np.all(np.diff(losses[::3]) < 0), losses
+    # The shared copy is updated every step, whatever the staleness of the reads.
+    assert all(np.abs(b - a).max() > 0 for a, b in zip(values, values[1:]))
+    # Reads are at most 2 updates old: no loss repeats more than 3 steps in a row.
+    run = longest = 1
+    for previous, current in zip(losses, losses[1:]):
+        run = run + 1 if current == previous else 1
+        longest = max(longest, run)
+    assert longest <= 3, losses
