@@ -1,4 +1,7 @@
-"""Compiles ``proto/*.proto`` into ``autodist/proto/*_pb2.py``.
+"""Compiles ``proto/*.proto`` into ``autodist/proto/*_pb2.py`` (and ``*_pb2_grpc.py``).
+
+Sources that declare a gRPC ``service`` also get a ``<name>_pb2_grpc.py``
+module with the client stub and the servicer base class.
 
 The generated modules are checked in; run this script from anywhere after
 editing a ``.proto`` file::
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import re
 import subprocess
 import sys
 from typing import List, Optional
@@ -20,6 +24,8 @@ PROTO_DIR = REPO_ROOT / "proto"
 # The .proto files import each other as "autodist/proto/<name>.proto", so the
 # source directory is mapped onto that virtual path for protoc.
 VIRTUAL_PROTO_PATH = "autodist/proto"
+_COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.DOTALL)
+_SERVICE = re.compile(r"^\s*service\s+\w+\s*\{", re.MULTILINE)
 
 
 def proto_sources(proto_dir: pathlib.Path = PROTO_DIR) -> List[pathlib.Path]:
@@ -40,9 +46,46 @@ def proto_sources(proto_dir: pathlib.Path = PROTO_DIR) -> List[pathlib.Path]:
     return sources
 
 
+def declares_service(source: pathlib.Path) -> bool:
+    """Tells whether a ``.proto`` file declares a gRPC service.
+
+    Args:
+        source: the ``.proto`` file.
+
+    Returns:
+        bool: True if a ``service`` block appears outside comments.
+    """
+    return bool(_SERVICE.search(_COMMENT.sub("", source.read_text())))
+
+
+def module_names(proto_dir: pathlib.Path = PROTO_DIR) -> List[str]:
+    """Lists the file names of the modules :func:`generate` writes.
+
+    Args:
+        proto_dir: directory holding the ``.proto`` sources.
+
+    Returns:
+        list[str]: ``<name>_pb2.py`` for every source, plus
+        ``<name>_pb2_grpc.py`` for those declaring a service, sorted.
+    """
+    names = []
+    for source in proto_sources(proto_dir):
+        names.append(source.stem + "_pb2.py")
+        if declares_service(source):
+            names.append(source.stem + "_pb2_grpc.py")
+    return sorted(names)
+
+
+def _run_protoc(args: List[str]) -> None:
+    result = subprocess.run(args, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"protoc failed with exit code {result.returncode} for arguments "
+                           f"{args!r}: {result.stderr.strip()}")
+
+
 def generate(out_dir: pathlib.Path = REPO_ROOT,
              proto_dir: pathlib.Path = PROTO_DIR) -> List[pathlib.Path]:
-    """Runs protoc on every source, writing ``<out_dir>/autodist/proto/*_pb2.py``.
+    """Runs protoc on every source, writing ``<out_dir>/autodist/proto/*_pb2*.py``.
 
     Args:
         out_dir: root the generated package path is written under; the repo
@@ -50,30 +93,28 @@ def generate(out_dir: pathlib.Path = REPO_ROOT,
         proto_dir: directory holding the ``.proto`` sources.
 
     Returns:
-        list[pathlib.Path]: the generated ``*_pb2.py`` files.
+        list[pathlib.Path]: the generated files, named as :func:`module_names`.
 
     Raises:
         RuntimeError: if protoc reports an error.
     """
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    sources = proto_sources(proto_dir)
     # With a virtual mapping protoc expects the sources by their virtual names.
-    sources = [f"{VIRTUAL_PROTO_PATH}/{p.name}" for p in proto_sources(proto_dir)]
+    virtual = [f"{VIRTUAL_PROTO_PATH}/{p.name}" for p in sources]
+    with_service = [f"{VIRTUAL_PROTO_PATH}/{p.name}" for p in sources if declares_service(p)]
     # protoc runs in a child process: loading grpc_tools' bundled compiler into
     # a process that already imported TensorFlow crashes (both link protobuf).
     # grpc_tools.protoc adds the well-known-types include path itself.
-    args = [
-        sys.executable, "-m", "grpc_tools.protoc",
-        f"-I{VIRTUAL_PROTO_PATH}={proto_dir}",
-        f"--python_out={out_dir}",
-        *sources,
-    ]
-    result = subprocess.run(args, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        raise RuntimeError(f"protoc failed with exit code {result.returncode} for arguments "
-                           f"{args!r}: {result.stderr.strip()}")
+    base = [sys.executable, "-m", "grpc_tools.protoc", f"-I{VIRTUAL_PROTO_PATH}={proto_dir}"]
+    _run_protoc([*base, f"--python_out={out_dir}", *virtual])
+    # Stubs only for sources with a service: protoc would otherwise write an
+    # import-only *_pb2_grpc.py for every message file.
+    if with_service:
+        _run_protoc([*base, f"--grpc_python_out={out_dir}", *with_service])
     gen_dir = out_dir / VIRTUAL_PROTO_PATH
-    return [gen_dir / (pathlib.Path(s).stem + "_pb2.py") for s in sources]
+    return [gen_dir / name for name in module_names(proto_dir)]
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -87,7 +128,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out_dir", type=pathlib.Path, default=REPO_ROOT,
-                        help="root directory to write autodist/proto/*_pb2.py under")
+                        help="root directory to write autodist/proto/*_pb2*.py under")
     args = parser.parse_args(argv)
     for path in generate(args.out_dir):
         print(f"wrote {path}")

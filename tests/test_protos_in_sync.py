@@ -1,4 +1,4 @@
-"""Checks that the checked-in ``autodist/proto/*_pb2.py`` match ``proto/*.proto``."""
+"""Checks that the checked-in ``autodist/proto/*_pb2*.py`` match ``proto/*.proto``."""
 import importlib.util
 import pathlib
 
@@ -20,7 +20,7 @@ def _load_gen_protos():
 def test_checked_in_protos_match_sources(tmp_path):
     gen_protos = _load_gen_protos()
     generated = gen_protos.generate(tmp_path)
-    assert len(generated) == len(gen_protos.proto_sources())
+    assert sorted(p.name for p in generated) == gen_protos.module_names()
     stale = []
     for fresh in generated:
         checked_in = REPO_ROOT / "autodist" / "proto" / fresh.name
@@ -33,9 +33,16 @@ def test_checked_in_protos_match_sources(tmp_path):
 
 def test_no_orphan_generated_modules():
     gen_protos = _load_gen_protos()
-    expected = {p.stem + "_pb2.py" for p in gen_protos.proto_sources()}
-    present = {p.name for p in (REPO_ROOT / "autodist" / "proto").glob("*_pb2.py")}
+    expected = set(gen_protos.module_names())
+    proto_pkg = REPO_ROOT / "autodist" / "proto"
+    present = {p.name for pattern in ("*_pb2.py", "*_pb2_grpc.py") for p in proto_pkg.glob(pattern)}
     orphans = sorted(present - expected)
     assert not orphans, (
         f"Generated modules without a .proto source: {orphans}. Delete them or "
         "restore their sources, then run `python scripts/gen_protos.py`.")
+
+
+def test_grpc_stubs_only_for_sources_with_a_service():
+    gen_protos = _load_gen_protos()
+    assert "service_pb2_grpc.py" in gen_protos.module_names()
+    assert "strategy_pb2_grpc.py" not in gen_protos.module_names()
