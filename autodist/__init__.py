@@ -1,4 +1,11 @@
 """AutoDist: distributed training of single-device TensorFlow models by explicit strategies."""
-from autodist.autodist import AutoDist
 
 __all__ = ["AutoDist"]
+
+
+def __getattr__(name: str):
+    # Imported on first use, so the command line starts without loading TensorFlow.
+    if name == "AutoDist":
+        from autodist.autodist import AutoDist
+        return AutoDist
+    raise AttributeError(f"module 'autodist' has no attribute {name!r}")

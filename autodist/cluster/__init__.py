@@ -1,0 +1,1 @@
+"""Tools for the clusters AutoDist runs on (emulated clusters on one machine)."""
