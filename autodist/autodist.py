@@ -8,6 +8,7 @@ from typing import Iterator, Optional, Union
 import tensorflow as tf
 
 from autodist import _tf_compat
+from autodist.cluster import runtime
 from autodist.graph_item import GraphItem
 from autodist.kernels.context import KernelContext
 from autodist.kernels.transformer import transform
@@ -17,6 +18,7 @@ from autodist.strategy.base import Strategy, StrategyBuilder
 from autodist.strategy.compiler import compile_strategy
 
 THREADS_ENV = ("AUTODIST_INTRA_OP_THREADS", "AUTODIST_INTER_OP_THREADS")
+JOIN_TIMEOUT_S = 300.0
 
 
 class AutoDist:
@@ -30,7 +32,9 @@ class AutoDist:
 
     Note:
         The model, including the optimizer's ``minimize``/``apply_gradients``, must
-        be built inside ``ad.scope()``, and the session created there too.
+        be built inside ``ad.scope()``, and the session created there too. On a
+        cluster the chief starts this same script on every other node; each node
+        must build the same graph and feeds its own data.
 
     Args:
         resource_spec_file: path of the cluster's YAML resource spec.
@@ -50,12 +54,23 @@ class AutoDist:
                 f"AutoDist: strategy_builder must be a StrategyBuilder such as PS() or a "
                 f"Strategy from Strategy.load(), not {type(strategy_builder).__name__}.")
         self._builder = strategy_builder
+        self._role = runtime.current_role(self._resource_spec)
         self._optimizer_calls = []
         self._strategy: Optional[Strategy] = None
 
     @property
     def resource_spec(self) -> ResourceSpec:
         return self._resource_spec
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this process is the chief (the one the user started)."""
+        return self._role.is_chief
+
+    @property
+    def node_index(self) -> int:
+        """This node's position in the cluster, the chief being 0 (e.g. to shard data)."""
+        return self._role.task_index
 
     @property
     def strategy(self) -> Optional[Strategy]:
@@ -70,7 +85,7 @@ class AutoDist:
 
     def create_distributed_session(self, config: Optional[tf.compat.v1.ConfigProto] = None
                                    ) -> DistributedSession:
-        """Builds (or reuses) the strategy, rewrites the default graph and opens a session.
+        """Builds (or fetches, or reuses) the strategy, rewrites the graph, opens a session.
 
         Args:
             config: optional session config merged over AutoDist's.
@@ -78,35 +93,76 @@ class AutoDist:
         Returns:
             DistributedSession taking the arguments of ``tf.compat.v1.Session.run``.
         """
+        item = self._graph_item()
+        if len(self._resource_spec.nodes) == 1:
+            strategy = self._build_strategy(item)
+            ctx = self._kernel_context(strategy, self._local_devices())
+            session = DistributedSession(transform(item, compile_strategy(
+                strategy, item, self._resource_spec), ctx), config=self._config(config))
+        else:
+            strategy, session = self._join_cluster(item, config)
+        self._strategy = strategy
+        return session
+
+    def _graph_item(self) -> GraphItem:
         graph = tf.compat.v1.get_default_graph()
-        calls = [c for c in self._optimizer_calls if c.result_op_name in
-                 {op.name for op in graph.get_operations()}]
+        calls = [c for c in self._optimizer_calls if c.graph is graph]
         if len(calls) > 1:
             raise NotImplementedError(
                 f"AutoDist supports one optimizer update per graph; the graph has {len(calls)} "
                 "(apply_gradients was called more than once).")
-        item = GraphItem(graph, calls[0] if calls else None)
-        strategy = (self._builder if isinstance(self._builder, Strategy)
-                    else self._builder.build(item, self._resource_spec))
-        compiled = compile_strategy(strategy, item, self._resource_spec)
-        ctx = self._local_context(strategy)
-        distributed = transform(item, compiled, ctx)
-        self._strategy = strategy
-        return DistributedSession(distributed, config=self._session_config(config))
+        return GraphItem(graph, calls[0] if calls else None)
 
-    def _local_context(self, strategy: Strategy) -> KernelContext:
-        spec = self._resource_spec
-        if len(spec.nodes) > 1:
-            raise NotImplementedError("AutoDist runs on one node for now; the resource spec "
-                                      f"'{spec.source}' has {len(spec.nodes)}.")
-        devices = spec.cpu_devices + spec.replica_devices
-        tf_devices = {d.name_string(): f"/device:{d.device_type}:{d.device_index}"
-                      for d in devices}
-        return KernelContext(replica_devices=tuple(strategy.replicas), tf_devices=tf_devices,
-                             shared_device=tf_devices[spec.ps_devices[0].name_string()])
+    def _build_strategy(self, item: GraphItem) -> Strategy:
+        if isinstance(self._builder, Strategy):
+            return self._builder
+        return self._builder.build(item, self._resource_spec)
 
-    def _session_config(self, user_config) -> tf.compat.v1.ConfigProto:
-        cpus = max(d.device_index for d in self._resource_spec.cpu_devices) + 1
+    def _join_cluster(self, item: GraphItem, config):
+        """The chief serves the strategy and launches workers; a worker fetches it."""
+        spec, role = self._resource_spec, self._role
+        if role.is_chief:
+            strategy = self._build_strategy(item)
+            compiled = compile_strategy(strategy, item, spec)
+            peer = runtime.ChiefCoordinator(spec, strategy, item.fingerprint)
+            peer.start()
+            monitor = peer.check_workers
+        else:
+            peer = runtime.WorkerAgent(role)
+            try:
+                strategy = peer.fetch_strategy(item.fingerprint)
+                compiled = compile_strategy(strategy, item, spec)
+            except Exception as err:
+                peer.report_failed(f"{type(err).__name__}: {err}")
+                raise
+            monitor = None
+        node_config = runtime.session_config(self._config(config))
+        server = runtime.start_tf_server(spec, role, node_config)
+        ctx = self._kernel_context(strategy, runtime.tf_devices(spec))
+        session = DistributedSession(transform(item, compiled, ctx), config=node_config,
+                                     target=server.target, monitor=monitor)
+        if role.is_chief:
+            peer.wait_ready(JOIN_TIMEOUT_S)
+        else:
+            peer.report_ready()
+        return strategy, session
+
+    def _local_devices(self) -> dict:
+        devices = self._resource_spec.cpu_devices + self._resource_spec.replica_devices
+        return {d.name_string(): f"/device:{d.device_type}:{d.device_index}" for d in devices}
+
+    def _kernel_context(self, strategy: Strategy, tf_devices: dict) -> KernelContext:
+        spec, role = self._resource_spec, self._role
+        local = tuple(r for r in strategy.replicas if r.rsplit(":", 2)[0] == role.address)
+        cpu = {d.host_address: d.name_string() for d in spec.ps_devices}
+        return KernelContext(replica_devices=local, tf_devices=tf_devices,
+                             shared_device=tf_devices[cpu[role.address]],
+                             chief_device=tf_devices[cpu[spec.chief]],
+                             node_index=role.task_index, num_nodes=len(spec.nodes),
+                             group_size=len(strategy.replicas))
+
+    def _config(self, user_config) -> tf.compat.v1.ConfigProto:
+        cpus = max(self._resource_spec.node(self._role.address).cpus) + 1
         config = tf.compat.v1.ConfigProto(device_count={"CPU": cpus}, allow_soft_placement=True)
         intra, inter = (os.environ.get(name) for name in THREADS_ENV)
         if intra:

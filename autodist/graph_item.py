@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Optional
 
 import numpy as np
@@ -146,6 +147,11 @@ class GraphItem:
             frontier.extend(consumers[name])
         self.replicated = replicated
         self.shared = set(nodes) - replicated - self.excluded
+
+    @property
+    def fingerprint(self) -> str:
+        """Digest of the graph; every node of a job must build the same one."""
+        return hashlib.sha256(self.graph_def.SerializeToString(deterministic=True)).hexdigest()[:16]
 
     def is_replicated(self, tensor_or_op_name: str) -> bool:
         return tensor_or_op_name.lstrip("^").split(":")[0] in self.replicated

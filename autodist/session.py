@@ -11,6 +11,7 @@ from autodist import _tf_compat
 from autodist.kernels.transformer import DistributedGraph
 
 _MONITOR_INTERVAL_S = 0.5
+_FAILURE_ATTRIBUTION_S = 3.0
 
 
 class DistributedSession:
@@ -65,6 +66,15 @@ class DistributedSession:
             if thread.is_alive():
                 self._monitor()
         if "error" in outcome:
+            # A step failing because a peer vanished says so in TF's words; the
+            # monitor names the node, once the dead process has been noticed.
+            deadline = time.monotonic() + _FAILURE_ATTRIBUTION_S
+            while time.monotonic() < deadline:
+                try:
+                    self._monitor()
+                except Exception as failure:
+                    raise failure from outcome["error"]
+                time.sleep(_MONITOR_INTERVAL_S)
             raise outcome["error"]
         return outcome["value"]
 

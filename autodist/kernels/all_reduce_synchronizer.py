@@ -18,13 +18,25 @@ COLLECTIVE_GROUP_KEY = 1
 _COMPRESSOR_NAMES = synchronizers_pb2.AllReduceSynchronizer.Compressor.Name
 
 
-def create_all_reduce_storage(name: str, initial_value: tf.Tensor, ctx: KernelContext) -> list:
-    """One copy of the part on every replica device, all from the same initial value."""
+def create_all_reduce_storage(name: str, initial_value: tf.Tensor, ctx: KernelContext):
+    """One copy of the part on every replica device, all with the same initial value.
+
+    On a cluster every node's copies start from an origin variable on the chief,
+    so they agree even when the initializer is random and unseeded.
+
+    Returns:
+        (copies, origin variable or None)
+    """
+    origin = None
+    if ctx.multi_node:
+        with tf.device(ctx.chief_device):
+            origin = tf.Variable(initial_value, trainable=False, name=f"{name}/origin")
+        initial_value = origin.read_value()
     copies = []
     for replica in range(ctx.num_replicas):
         with tf.device(ctx.replica_tf_device(replica)):
             copies.append(tf.Variable(initial_value, name=f"{replica_scope(replica)}/{name}"))
-    return copies
+    return copies, origin
 
 
 class CollectiveKeys:
@@ -39,18 +51,17 @@ class CollectiveKeys:
         return key
 
 
-def all_reduce_group(members: list, sync, group_size: int, keys: CollectiveKeys,
-                     ctx: KernelContext) -> list:
+def all_reduce_group(members: list, sync, keys: CollectiveKeys, ctx: KernelContext) -> list:
     """Reduces the gradients of one group across all replicas.
 
     Args:
         members: list of (part name, [grad per local replica]) in a fixed order.
         sync: the group's AllReduceSynchronizer (its compressor applies to all).
-        group_size: replicas in the whole cluster.
 
     Returns:
         list parallel to ``members`` of [mean grad per local replica].
     """
+    group_size = ctx.total_replicas
     reduced = [[None] * ctx.num_replicas for _ in members]
     dense = [i for i, (_, grads) in enumerate(members)
              if not isinstance(grads[0], tf.IndexedSlices)]
@@ -91,13 +102,15 @@ def _gather_sparse(grad: tf.IndexedSlices, group_size: int, keys: tuple) -> tf.I
 
     Replicas may hold different numbers of rows (a partition owns the rows whose
     ids fall in its range), but a gather needs equal shapes: every replica pads to
-    the largest count with rows of index -1, which are dropped after the gather.
+    one more than the largest count with rows of index -1, which are dropped after
+    the gather. The extra row keeps the gather from ever being empty, which
+    crashes the collective.
     """
     count_key, value_key, index_key = keys
     indices = tf.cast(grad.indices, tf.int64)
     count = tf.shape(indices, out_type=tf.int64)[:1]
     longest = tf.reduce_max(_gather(count, group_size, count_key))
-    padding = longest - count[0]
+    padding = longest + 1 - count[0]
     values = tf.pad(grad.values, [[0, padding]] + [[0, 0]] * (grad.values.shape.rank - 1))
     indices = tf.pad(indices, [[0, padding]], constant_values=-1)
     values = _gather(values, group_size, value_key)

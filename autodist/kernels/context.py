@@ -9,21 +9,48 @@ REPLICA_PREFIX = "AutoDist-Replica"
 
 @dataclasses.dataclass(frozen=True)
 class KernelContext:
-    """Where this node's part of the graph runs.
+    """Where this node's part of the graph runs, and what the rest of the cluster is.
 
     Attributes:
         replica_devices: strategy device strings of this node's replicas, in order.
-        tf_devices: strategy device string -> TensorFlow device name.
-        shared_device: TensorFlow device for shared ops (inputs, non-trainables).
+        tf_devices: strategy device string -> TensorFlow device name, for every
+            device of the cluster.
+        shared_device: this node's device for shared ops (inputs, pipelines).
+        chief_device: the chief's CPU, home of shared non-trainable variables; the
+            same as ``shared_device`` on one node.
+        node_index: this node's position in the cluster; 0 is the chief.
+        num_nodes: nodes in the cluster.
+        group_size: replicas in the whole cluster (0: this node's replicas).
     """
 
     replica_devices: tuple
     tf_devices: dict
     shared_device: str
+    chief_device: str = ""
+    node_index: int = 0
+    num_nodes: int = 1
+    group_size: int = 0
 
     @property
     def num_replicas(self) -> int:
         return len(self.replica_devices)
+
+    @property
+    def total_replicas(self) -> int:
+        return self.group_size or self.num_replicas
+
+    @property
+    def is_chief(self) -> bool:
+        return self.node_index == 0
+
+    @property
+    def multi_node(self) -> bool:
+        return self.num_nodes > 1
+
+    @property
+    def variable_device(self) -> str:
+        """Where the shared non-trainable variables live."""
+        return self.chief_device or self.shared_device
 
     def tf_device(self, device: str) -> str:
         """TensorFlow device name of a strategy device string."""

@@ -15,7 +15,8 @@ def create_ps_storage(name: str, initial_value: tf.Tensor, sync, ctx: KernelCont
     """Creates the shared variable and, when asked for, the replicas' proxies.
 
     Proxies exist with ``local_replication`` or a staleness bound: replicas then
-    read a local copy that is refreshed after updates, not the shared one.
+    read a local copy that is refreshed after updates, not the shared one. On a
+    cluster a proxy starts from the shared value (the chief's initial value).
 
     Returns:
         (shared variable, list of what each replica reads)
@@ -24,10 +25,11 @@ def create_ps_storage(name: str, initial_value: tf.Tensor, sync, ctx: KernelCont
         shared = tf.Variable(initial_value, name=name)
     if not (sync.local_replication or sync.staleness > 0):
         return shared, [shared] * ctx.num_replicas
+    start = shared.read_value() if ctx.multi_node else initial_value
     proxies = []
     for replica in range(ctx.num_replicas):
         with tf.device(ctx.replica_tf_device(replica)):
-            proxies.append(tf.Variable(initial_value, trainable=False,
+            proxies.append(tf.Variable(start, trainable=False,
                                        name=f"{replica_scope(replica)}/{name}/proxy"))
     return shared, proxies
 
@@ -73,3 +75,61 @@ def refresh_proxies(shared: tf.Variable, proxies: list, staleness: int,
     if staleness == 0:
         return copy()
     return tf.cond(tf.equal(step % (staleness + 1), 0), lambda: tf.group(copy()), tf.no_op)
+
+
+# Applications are never dropped as stale: the token queues below keep nodes in step.
+_ALWAYS_FRESH = 2 ** 62
+
+
+def node_contribution(grads: list, sync, ctx: KernelContext):
+    """This node's share of a part's gradient: its replicas' sum / all replicas.
+
+    The shares of all nodes add up to the mean over every replica of the
+    cluster, whatever the number of replicas per node.
+    """
+    device = sync.transfer_destination or sync.reduction_destination
+    with tf.device(ctx.tf_device(device)):
+        total = _sum(grads)
+        scale = 1.0 / ctx.total_replicas
+        if isinstance(total, tf.IndexedSlices):
+            return tf.IndexedSlices(total.values * scale, total.indices, total.dense_shape)
+        return total * scale
+
+
+def accumulate_across_nodes(name: str, contribution, shape: tuple, sync,
+                            ctx: KernelContext):
+    """Sends this node's contribution to the part's accumulator on its destination.
+
+    Returns:
+        (apply op, on the chief the sum of all nodes' contributions, else None)
+    """
+    sparse = isinstance(contribution, tf.IndexedSlices)
+    dtype = contribution.dtype
+    with tf.device(ctx.tf_device(sync.reduction_destination)):
+        accumulator_class = (tf.compat.v1.SparseConditionalAccumulator if sparse
+                             else tf.compat.v1.ConditionalAccumulator)
+        # SUM: a sparse MEAN would divide each row by the number of nodes that sent it.
+        accumulator = accumulator_class(dtype, shape=shape, shared_name=f"{name}/accumulator",
+                                        name=f"{name}/accumulator", reduction_type="SUM")
+        if sparse:
+            apply = accumulator.apply_indexed_slices_grad(
+                tf.IndexedSlices(contribution.values, contribution.indices,
+                                 tf.constant(shape, tf.int64)), local_step=_ALWAYS_FRESH)
+        else:
+            apply = accumulator.apply_grad(contribution, local_step=_ALWAYS_FRESH)
+        if not ctx.is_chief:
+            return apply, None
+        with tf.control_dependencies([apply]):
+            if sparse:
+                mean = accumulator.take_indexed_slices_grad(ctx.num_nodes)
+            else:
+                mean = accumulator.take_grad(ctx.num_nodes)
+    return apply, mean
+
+
+def token_queue(worker: int, ctx: KernelContext) -> tf.queue.FIFOQueue:
+    """The queue through which the chief lets worker ``worker`` start its next step."""
+    with tf.device(ctx.variable_device):
+        return tf.queue.FIFOQueue(capacity=-1, dtypes=[tf.int64], shapes=[[]],
+                                  shared_name=f"autodist_sync_token_{worker}",
+                                  name=f"autodist_sync_token_{worker}")

@@ -14,16 +14,19 @@ from autodist.graph_item import GraphItem
 from autodist.kernels.context import KernelContext, replica_scope
 
 _PLACEMENT_ATTRS = ("_class",)
+_VARIABLE_OPS = ("VarHandleOp",)
 
 
 def _op_name(input_name: str) -> str:
     return input_name.lstrip("^").split(":")[0]
 
 
-def _subgraph(item: GraphItem, names: set, external: dict, deferred: list):
+def _subgraph(item: GraphItem, names: set, external: dict, deferred: list,
+              device_for=lambda node: ""):
     """GraphDef of the ``names`` nodes, ready to import.
 
-    Devices and colocations are cleared (the strategy decides placement). Control
+    Colocations are cleared and devices set by ``device_for(node)`` (the strategy
+    decides placement, not the single-device graph). Control
     inputs leaving the subgraph are dropped and appended to ``deferred`` as
     (node name, source name) to be reconnected after import; data inputs leaving
     it are counted in ``external`` (tensor name -> None) for the caller to map.
@@ -36,7 +39,7 @@ def _subgraph(item: GraphItem, names: set, external: dict, deferred: list):
             continue
         new = graph_def.node.add()
         new.CopyFrom(node)
-        new.device = ""
+        new.device = device_for(node)
         for attr in _PLACEMENT_ATTRS:
             if attr in new.attr:
                 del new.attr[attr]
@@ -54,16 +57,30 @@ def _subgraph(item: GraphItem, names: set, external: dict, deferred: list):
 
 
 def import_shared(item: GraphItem, ctx: KernelContext, deferred: list) -> None:
-    """Imports the shared ops into the default graph under their original names."""
+    """Imports the shared ops into the default graph under their original names.
+
+    Non-trainable variables go to ``ctx.variable_device`` (the chief, so a cluster
+    has one global step), ops using them directly follow them, the rest of the
+    shared ops (inputs, pipelines) stay on this node's ``ctx.shared_device``.
+    """
+    variables = {node.name for node in item.graph_def.node
+                 if node.name in item.shared and node.op in _VARIABLE_OPS}
+
+    def device_for(node) -> str:
+        if node.name in variables:
+            return ctx.variable_device
+        if any(_op_name(inp) in variables for inp in node.input if not inp.startswith("^")):
+            return ""  # resource ops are colocated with their variable
+        return ctx.shared_device
+
     external = {}
-    graph_def = _subgraph(item, item.shared, external, deferred)
+    graph_def = _subgraph(item, item.shared, external, deferred, device_for)
     if external:
         raise NotImplementedError(
             f"Ops outside the model read {sorted(external)}, which AutoDist recreates per "
             "strategy (trainable variables or the optimizer's update); it cannot rewrite "
             "that graph.")
-    with tf.device(ctx.shared_device):
-        tf.graph_util.import_graph_def(graph_def, name="")
+    tf.graph_util.import_graph_def(graph_def, name="")
 
 
 def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,

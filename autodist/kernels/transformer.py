@@ -26,7 +26,8 @@ from autodist.kernels.all_reduce_synchronizer import (
     CollectiveKeys, all_reduce_group, create_all_reduce_storage)
 from autodist.kernels.context import KernelContext, replica_scope
 from autodist.kernels.ps_synchronizer import (
-    create_ps_storage, reduce_ps_gradients, refresh_proxies)
+    accumulate_across_nodes, create_ps_storage, node_contribution, reduce_ps_gradients,
+    refresh_proxies, token_queue)
 from autodist.strategy.compiler import CompiledStrategy, CompiledVariable
 
 
@@ -37,6 +38,7 @@ class PartStorage:
     part: object            # compiler.VariablePart
     copies: list            # PS: [shared]; AllReduce: one per replica
     readers: list           # per replica
+    origin: Optional[tf.Variable] = None  # AllReduce on a cluster: the chief's initial value
 
 
 @dataclasses.dataclass
@@ -49,14 +51,23 @@ class VariableStorage:
 
 @dataclasses.dataclass
 class DistributedGraph:
-    """The rewritten graph and what the session needs to map user fetches onto it."""
+    """The rewritten graph and what the session needs to map user fetches onto it.
+
+    Variables are initialized in two phases, the second reading the first:
+    ``init_ops[0]`` everything this node initializes except ``derived`` copies
+    (AllReduce copies, proxies), ``init_ops[1]`` those copies. On a cluster a
+    worker leaves the chief's variables to the chief and, between the phases,
+    waits until ``chief_uninitialized`` (names of the chief's variables not yet
+    initialized) is empty.
+    """
 
     graph: tf.Graph
     item: GraphItem
     ctx: KernelContext
     storage: dict
     train_op: Optional[tf.Operation] = None
-    init_op: Optional[tf.Operation] = None
+    init_ops: tuple = ()
+    chief_uninitialized: Optional[tf.Tensor] = None
     variable_inits: dict = dataclasses.field(default_factory=dict)
 
     def replica_element(self, name: str, replica: int):
@@ -67,15 +78,13 @@ class DistributedGraph:
         return self.graph.get_operation_by_name(scoped)
 
 
-def transform(item: GraphItem, compiled: CompiledStrategy, ctx: KernelContext,
-              group_size: Optional[int] = None) -> DistributedGraph:
+def transform(item: GraphItem, compiled: CompiledStrategy, ctx: KernelContext) -> DistributedGraph:
     """Builds this node's distributed graph.
 
     Args:
         item: the analysed single-device graph.
         compiled: the validated strategy.
-        ctx: this node's replicas and device names.
-        group_size: replicas in the whole cluster (defaults to this node's).
+        ctx: this node's replicas, the cluster's devices.
 
     Returns:
         DistributedGraph
@@ -89,16 +98,44 @@ def transform(item: GraphItem, compiled: CompiledStrategy, ctx: KernelContext,
             result.storage[name] = _create_storage(item, variable, ctx)
         replicator.replicate(item, ctx, {n: s.handles for n, s in result.storage.items()},
                              deferred)
-        updates, proxy_parts = _synchronize(result, group_size or ctx.num_replicas)
-        result.train_op = _apply_updates(item, updates, proxy_parts, shared_variables)
+        sync = _synchronize(result)
+        result.train_op = _apply_updates(item, sync, shared_variables, ctx)
         result.variable_inits = {
             name: tf.group(*[c.initializer for p in s.parts for c in p.copies + p.readers])
             for name, s in result.storage.items()}
         _reconnect(result, deferred)
-        result.init_op = tf.group(tf.compat.v1.global_variables_initializer(),
-                                  tf.compat.v1.local_variables_initializer(),
-                                  name="autodist_init")
+        _plan_initialization(result, list(shared_variables.values()), sync.staleness)
     return result
+
+
+def _plan_initialization(result: DistributedGraph, shared_variables: list,
+                         staleness: int) -> None:
+    ctx = result.ctx
+    everything = (tf.compat.v1.global_variables() + tf.compat.v1.local_variables())
+    derived, chief_owned = set(), set(shared_variables)
+    for storage in result.storage.values():
+        for part in storage.parts:
+            if part.origin is not None:
+                chief_owned.add(part.origin)
+                derived.update(part.copies)
+            if part.part.is_ps:
+                chief_owned.add(part.copies[0])
+                if ctx.multi_node:
+                    derived.update(r for r in part.readers if r is not part.copies[0])
+    # The optimizer's slots of the shared PS variables exist only in the chief's graph.
+    first = [v for v in everything if v not in derived and (ctx.is_chief or v not in chief_owned)]
+    prefill = []
+    if ctx.is_chief and ctx.multi_node and staleness:
+        # Bounded staleness across nodes: workers may run `staleness` steps ahead.
+        prefill = [token_queue(w, ctx).enqueue_many([tf.zeros([staleness], tf.int64)])
+                   for w in range(1, ctx.num_nodes)]
+    result.init_ops = (tf.group(tf.compat.v1.variables_initializer(first), *prefill,
+                                name="autodist_init"),
+                       tf.compat.v1.variables_initializer([v for v in everything if v in derived],
+                                                          name="autodist_init_copies"))
+    if not ctx.is_chief:
+        result.chief_uninitialized = tf.compat.v1.report_uninitialized_variables(
+            sorted(chief_owned, key=lambda v: v.name))
 
 
 def _create_storage(item: GraphItem, variable: CompiledVariable,
@@ -113,8 +150,8 @@ def _create_storage(item: GraphItem, variable: CompiledVariable,
             shared, readers = create_ps_storage(part.name, value, part.synchronizer, ctx)
             parts.append(PartStorage(part, [shared], readers))
         else:
-            copies = create_all_reduce_storage(part.name, value, ctx)
-            parts.append(PartStorage(part, copies, copies))
+            copies, origin = create_all_reduce_storage(part.name, value, ctx)
+            parts.append(PartStorage(part, copies, copies, origin))
     with tf.device(ctx.shared_device):
         full_value = (parts[0].copies[0].read_value() if variable.plan is None else
                       partitioner.stitch([p.copies[0].read_value() for p in parts], variable.plan))
@@ -142,10 +179,21 @@ def _stitched_handle(variable: CompiledVariable, parts: list, replica: int,
             return tf.identity(stitched.handle)
 
 
-def _synchronize(result: DistributedGraph, group_size: int):
-    """Reduced gradients paired with the copies they update, plus PS parts with proxies."""
+@dataclasses.dataclass
+class _Synchronized:
+    """What the synchronizers produced for the update stage."""
+
+    updates: list          # (reduced gradient, stored copy) this node applies
+    proxy_parts: list      # PS parts whose replicas read proxies
+    sent: list             # ops sending this node's gradients to other nodes
+    staleness: int         # largest staleness bound among PS parts
+
+
+def _synchronize(result: DistributedGraph) -> _Synchronized:
+    """Cuts gradients per part and reduces them per each part's synchronizer."""
     item, ctx = result.item, result.ctx
-    updates, proxy_parts, groups = [], [], {}
+    out = _Synchronized([], [], [], 0)
+    groups = {}
     for name, storage in result.storage.items():
         ref = item.gradients.get(name)
         if ref is None:
@@ -160,21 +208,29 @@ def _synchronize(result: DistributedGraph, group_size: int):
         else:
             per_part = [per_replica]
         for part_storage, grads in zip(storage.parts, per_part):
-            sync = part_storage.part.synchronizer
-            if part_storage.part.is_ps:
-                updates.append((reduce_ps_gradients(grads, sync, ctx), part_storage.copies[0]))
-                if part_storage.readers[0] is not part_storage.copies[0]:
-                    proxy_parts.append(part_storage)
-            else:
+            part, sync = part_storage.part, part_storage.part.synchronizer
+            if not part.is_ps:
                 groups.setdefault(sync.group, []).append((part_storage, grads))
+                continue
+            out.staleness = max(out.staleness, sync.staleness)
+            if part_storage.readers[0] is not part_storage.copies[0]:
+                out.proxy_parts.append(part_storage)
+            if not ctx.multi_node:
+                out.updates.append((reduce_ps_gradients(grads, sync, ctx), part_storage.copies[0]))
+                continue
+            sent, mean = accumulate_across_nodes(
+                part.name, node_contribution(grads, sync, ctx), part.shape, sync, ctx)
+            out.sent.append(sent)
+            if mean is not None:
+                out.updates.append((mean, part_storage.copies[0]))
     keys = CollectiveKeys()
     for group in sorted(groups):
         members = groups[group]
         reduced = all_reduce_group([(p.part.name, g) for p, g in members],
-                                   members[0][0].part.synchronizer, group_size, keys, ctx)
+                                   members[0][0].part.synchronizer, keys, ctx)
         for (part_storage, _), grads in zip(members, reduced):
-            updates.extend(zip(grads, part_storage.copies))
-    return updates, proxy_parts
+            out.updates.extend(zip(grads, part_storage.copies))
+    return out
 
 
 def _replica_gradient(result: DistributedGraph, ref, replica: int):
@@ -199,9 +255,14 @@ def _register_shared_variables(item: GraphItem) -> dict:
     return variables
 
 
-def _apply_updates(item: GraphItem, updates: list, proxy_parts: list,
-                   shared_variables: dict) -> tf.Operation:
-    """Runs the user's optimizer on every stored copy, then refreshes proxies."""
+def _apply_updates(item: GraphItem, sync: _Synchronized, shared_variables: dict,
+                   ctx: KernelContext) -> tf.Operation:
+    """Runs the user's optimizer on this node's copies, keeps nodes in step, refreshes proxies.
+
+    On a cluster the chief alone updates the PS variables (and the global step),
+    then hands every worker a token; a worker waits for its token before its
+    step ends, so its next step reads the updated values.
+    """
     graph = tf.compat.v1.get_default_graph()
     call = item.optimizer_call
 
@@ -212,18 +273,27 @@ def _apply_updates(item: GraphItem, updates: list, proxy_parts: list,
             return shared_variables[value.op.name].read_value()
         return graph.get_tensor_by_name(value.name)
 
-    optimizer = _tf_compat.optimizer_for_graph(call.optimizer, translate)
-    global_step = (None if call.global_step is None
-                   else shared_variables[call.global_step.op.name])
-    apply = optimizer.apply_gradients(updates, global_step=global_step)
-    if not proxy_parts:
-        return apply
-    with tf.control_dependencies([apply]):
+    steps = list(sync.sent)
+    if sync.updates:
+        optimizer = _tf_compat.optimizer_for_graph(call.optimizer, translate)
+        global_step = (None if call.global_step is None or not ctx.is_chief
+                       else shared_variables[call.global_step.op.name])
+        steps.append(optimizer.apply_gradients(sync.updates, global_step=global_step))
+    if ctx.multi_node and (sync.sent or sync.proxy_parts):
+        with tf.control_dependencies(steps):
+            if ctx.is_chief:
+                steps = [token_queue(w, ctx).enqueue(tf.constant(0, tf.int64))
+                         for w in range(1, ctx.num_nodes)]
+            else:
+                steps = [token_queue(ctx.node_index, ctx).dequeue()]
+    if not sync.proxy_parts:
+        return tf.group(*steps, name="autodist_train_op")
+    with tf.control_dependencies(steps):
         counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="autodist_step")
         step = counter.assign_add(1)
         refreshes = [refresh_proxies(p.copies[0], p.readers, p.part.synchronizer.staleness, step)
-                     for p in proxy_parts]
-    return tf.group(apply, *refreshes, name="autodist_train_op")
+                     for p in sync.proxy_parts]
+    return tf.group(*steps, *refreshes, name="autodist_train_op")
 
 
 def _reconnect(result: DistributedGraph, deferred: list) -> None:

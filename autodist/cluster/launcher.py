@@ -1,0 +1,117 @@
+"""Starts the user's script on the other nodes of a cluster and stops it again.
+
+Three ways to reach a node, chosen per node from the resource spec:
+
+* ``launch_prefix`` (e.g. ``[ip, netns, exec, h2]``, or an ``srun``/``kubectl exec``
+  prefix): the prefix followed by the command, run from here;
+* an ``ssh_config``: ``ssh`` to the node's address with that config;
+* neither, on a local address: a plain subprocess.
+
+Every worker gets its own process group, so stopping it stops its children too.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from typing import Optional
+
+from autodist.resource_spec import NodeSpec, SSHConfig
+
+LOCAL_ADDRESSES = ("localhost", "127.0.0.1", "::1")
+SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no",
+               "-o", "UserKnownHostsFile=/dev/null", "-o", "ConnectTimeout=10",
+               "-o", "LogLevel=ERROR")
+
+
+class LaunchError(RuntimeError):
+    """A node could not be started, or its process ended badly."""
+
+
+@dataclasses.dataclass
+class WorkerProcess:
+    """A launched worker: the node it runs on and its local process."""
+
+    node: str
+    process: subprocess.Popen
+    command: list
+
+    def exit_code(self) -> Optional[int]:
+        return self.process.poll()
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Stops the worker's whole process group: SIGTERM, then SIGKILL after ``grace`` s."""
+        if self.process.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, grace)):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.process.wait(timeout=wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def worker_command(node: NodeSpec, ssh: Optional[SSHConfig], env: dict,
+                   argv: list, cwd: str) -> list:
+    """The command that runs ``argv`` (a Python script and its arguments) on ``node``.
+
+    Raises:
+        LaunchError: when a remote node has neither a launch prefix nor an ssh config.
+    """
+    assignments = [f"{key}={value}" for key, value in sorted(env.items())]
+    if node.launch_prefix:
+        return [*node.launch_prefix, "env", *assignments, sys.executable, *argv]
+    if ssh is None:
+        if node.address in LOCAL_ADDRESSES:
+            return ["env", *assignments, sys.executable, *argv]
+        raise LaunchError(
+            f"Node '{node.address}' is remote but has neither 'ssh_config' nor "
+            "'launch_prefix' in the resource spec; add one so AutoDist can start it.")
+    shared = [f"{k}={v}" for k, v in sorted(ssh.shared_envs.items())]
+    remote = " ".join(shlex.quote(part) for part in
+                      ["env", *shared, *assignments, "python3", *argv])
+    if ssh.python_venv:
+        remote = f"{ssh.python_venv} && {remote}"
+    remote = f"cd {shlex.quote(cwd)} && {remote}"
+    command = ["ssh", *SSH_OPTIONS, "-p", str(ssh.port)]
+    if ssh.key_file:
+        command += ["-i", ssh.key_file]
+    return [*command, f"{ssh.username}@{node.address}", remote]
+
+
+def launch(node: NodeSpec, ssh: Optional[SSHConfig], env: dict, argv: list,
+           cwd: str) -> WorkerProcess:
+    """Starts the worker for ``node``; its output goes to this process's output.
+
+    Raises:
+        LaunchError: naming the node when the command cannot be started.
+    """
+    command = worker_command(node, ssh, env, argv, cwd)
+    try:
+        process = subprocess.Popen(command, cwd=cwd, start_new_session=True,
+                                   stdin=subprocess.DEVNULL)
+    except OSError as err:
+        raise LaunchError(f"Could not start the worker on node '{node.address}' "
+                          f"with {command[0]!r}: {err}") from None
+    return WorkerProcess(node.address, process, command)
+
+
+def stop_all(workers: list, grace: float = 5.0) -> None:
+    """Stops every worker; returns when all are gone."""
+    deadline = time.monotonic() + grace
+    for worker in workers:
+        if worker.process.poll() is None:
+            try:
+                os.killpg(worker.process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    for worker in workers:
+        worker.stop(max(0.1, deadline - time.monotonic()))

@@ -1,0 +1,242 @@
+"""Runs one node's part of a multi-node job: roles, TensorFlow servers, the coordinator.
+
+Every node runs the same user script. The chief (started by the user) builds the
+strategy, serves it, and launches the script on the other nodes with the job's
+coordinates in the environment; a process started that way is a worker. Each
+node starts its TensorFlow server (task ``i`` of job ``worker``, in spec order
+with the chief first) and rewrites its own part of the graph.
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Optional
+
+import tensorflow as tf
+
+from autodist.cluster import launcher
+from autodist.cluster.service import (
+    TOKEN_ENV, ServiceError, StrategyClient, StrategyServer, WorkerFailedError, new_token)
+from autodist.resource_spec import ResourceSpec
+
+WORKER_ENV = "AUTODIST_WORKER"            # this process is the worker for that node address
+CHIEF_ENV = "AUTODIST_CHIEF"              # the chief's address
+SERVICE_PORT_ENV = "AUTODIST_SERVICE_PORT"
+TF_PORT_ENV = "AUTODIST_TF_PORT"          # port of every node's TensorFlow server
+DEFAULT_TF_PORT = 15470
+WORKER_EXIT_GRACE_S = 60.0
+JOB = "worker"
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeRole:
+    """Who this process is in the job."""
+
+    address: str
+    is_chief: bool
+    task_index: int
+
+
+def current_role(spec: ResourceSpec) -> NodeRole:
+    """The chief unless launched as a worker (``AUTODIST_WORKER`` set).
+
+    Raises:
+        ValueError: when ``AUTODIST_WORKER`` names a node the spec lacks.
+    """
+    address = os.environ.get(WORKER_ENV, spec.chief)
+    order = ordered_nodes(spec)
+    if address not in order:
+        raise ValueError(f"{WORKER_ENV}={address!r} is not a node of the resource spec "
+                         f"'{spec.source}' ({order}).")
+    return NodeRole(address, address == spec.chief, order.index(address))
+
+
+def ordered_nodes(spec: ResourceSpec) -> list:
+    """Node addresses with the chief first: the order of TensorFlow tasks."""
+    return [spec.chief] + [a for a in spec.node_addresses if a != spec.chief]
+
+
+def tf_port() -> int:
+    return int(os.environ.get(TF_PORT_ENV, DEFAULT_TF_PORT))
+
+
+def tf_devices(spec: ResourceSpec) -> dict:
+    """Strategy device string -> TensorFlow device name, for every device of the cluster."""
+    order = ordered_nodes(spec)
+    devices = spec.cpu_devices + spec.replica_devices
+    return {d.name_string(): f"/job:{JOB}/replica:0/task:{order.index(d.host_address)}"
+                             f"/device:{d.device_type}:{d.device_index}" for d in devices}
+
+
+def session_config(base: tf.compat.v1.ConfigProto) -> tf.compat.v1.ConfigProto:
+    """A node's server and session config: ``base`` plus the collective group leader."""
+    config = tf.compat.v1.ConfigProto()
+    config.CopyFrom(base)
+    config.experimental.collective_group_leader = f"/job:{JOB}/replica:0/task:0"
+    return config
+
+
+def start_tf_server(spec: ResourceSpec, role: NodeRole,
+                    config: tf.compat.v1.ConfigProto) -> tf.distribute.Server:
+    """Starts this node's TensorFlow server.
+
+    Raises:
+        RuntimeError: naming the address when the port is taken.
+    """
+    port = tf_port()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # As gRPC does: connections of a finished job lingering in TIME_WAIT don't count.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError as err:
+            raise RuntimeError(
+                f"Node '{role.address}' cannot start its TensorFlow server: port {port} is "
+                f"already in use ({err.strerror}). Free it or set {TF_PORT_ENV}.") from None
+    cluster = tf.train.ClusterSpec({JOB: [f"{a}:{port}" for a in ordered_nodes(spec)]})
+    return tf.distribute.Server(cluster, job_name=JOB, task_index=role.task_index,
+                                config=config, start=True)
+
+
+class ChiefCoordinator:
+    """The chief's side: serves the strategy, launches workers, watches them.
+
+    Args:
+        spec: the cluster.
+        strategy: the strategy every node applies.
+        fingerprint: the chief's graph fingerprint.
+        heartbeat_timeout: seconds of silence after which a worker counts as dead.
+    """
+
+    def __init__(self, spec: ResourceSpec, strategy, fingerprint: str,
+                 heartbeat_timeout: float = 15.0):
+        self._spec = spec
+        self._workers = []
+        self._failed = False
+        self._lock = threading.Lock()
+        self._token = new_token()
+        worker_nodes = [a for a in ordered_nodes(spec) if a != spec.chief]
+        self._server = StrategyServer(strategy, fingerprint, self._token, worker_nodes,
+                                      heartbeat_timeout=heartbeat_timeout)
+
+    def start(self) -> None:
+        """Serves the strategy and starts the script on every other node."""
+        port = self._server.start()
+        _at_exit(self.shutdown)
+        _stop_on_sigterm()
+        self._watch_uncaught_errors()
+        env = {CHIEF_ENV: self._spec.chief, SERVICE_PORT_ENV: str(port), TOKEN_ENV: self._token,
+               TF_PORT_ENV: str(tf_port())}
+        argv = [os.path.abspath(sys.argv[0]), *sys.argv[1:]]
+        for address in ordered_nodes(self._spec)[1:]:
+            node = self._spec.node(address)
+            ssh = self._spec.ssh_configs.get(node.ssh_config) if node.ssh_config else None
+            worker = launcher.launch(node, ssh, {**env, WORKER_ENV: address}, argv, os.getcwd())
+            with self._lock:
+                self._workers.append(worker)
+
+    def wait_ready(self, timeout: float) -> None:
+        """Returns once every worker has joined; raises naming the first that failed."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.check_workers()
+            try:
+                self._server.wait_ready(min(1.0, max(0.01, deadline - time.monotonic())))
+                return
+            except ServiceError as err:
+                # A bare ServiceError is the barrier's timeout; the others name a failure.
+                if type(err) is not ServiceError or time.monotonic() >= deadline:
+                    self._failed = True
+                    raise
+
+    def check_workers(self) -> None:
+        """Raises naming a worker whose process ended badly or that stopped heartbeating."""
+        with self._lock:
+            workers = list(self._workers)
+        try:
+            for worker in workers:
+                code = worker.exit_code()
+                if code not in (None, 0):
+                    raise WorkerFailedError(worker.node, f"its process exited with code {code}.")
+            self._server.check_workers()
+        except ServiceError:
+            self._failed = True
+            raise
+
+    def shutdown(self) -> None:
+        """Stops every worker and the service; safe to call more than once.
+
+        After a normal end the workers get ``WORKER_EXIT_GRACE_S`` to finish their
+        own last steps; after an error (or Ctrl-C) they are stopped at once.
+        """
+        with self._lock:
+            workers, self._workers = self._workers, []
+        if not self._failed:
+            deadline = time.monotonic() + WORKER_EXIT_GRACE_S
+            for worker in workers:
+                try:
+                    worker.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    break
+        launcher.stop_all(workers)
+        self._server.stop()
+
+    def _watch_uncaught_errors(self) -> None:
+        """Notes an error ending the chief, so shutdown does not wait for the workers."""
+        previous = sys.excepthook
+
+        def hook(*exc_info):
+            self._failed = True
+            previous(*exc_info)
+
+        sys.excepthook = hook
+
+
+class WorkerAgent:
+    """A worker's side: fetches the strategy from the chief and reports to it."""
+
+    def __init__(self, role: NodeRole):
+        self._client = StrategyClient(os.environ[CHIEF_ENV], int(os.environ[SERVICE_PORT_ENV]),
+                                      os.environ[TOKEN_ENV], role.address)
+        self._client.start_heartbeat()
+        _at_exit(self.close)
+
+    def fetch_strategy(self, fingerprint: str):
+        return self._client.fetch_strategy(fingerprint)
+
+    def report_ready(self) -> None:
+        self._client.report_ready()
+
+    def report_failed(self, message: str) -> None:
+        self._client.report_failed(message)
+
+    def close(self) -> None:
+        try:
+            self._client.report_done()
+        except ServiceError:
+            pass
+        self._client.close()
+
+
+def _at_exit(callback) -> None:
+    """Runs ``callback`` at interpreter exit, while gRPC's thread pools still work.
+
+    ``atexit`` runs after ``concurrent.futures`` has refused new work, which breaks
+    the last calls between chief and workers; Python's threading exit hooks run
+    before it (newest first).
+    """
+    register = getattr(threading, "_register_atexit", atexit.register)
+    register(callback)
+
+
+def _stop_on_sigterm() -> None:
+    """Turns SIGTERM into a normal exit so atexit handlers stop the workers."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

@@ -1,0 +1,101 @@
+"""A training job run by the multi-node tests on an emulated cluster.
+
+Every node runs this script (the chief starts the workers). Node k feeds its
+own rows of a global batch, as many per replica on every node, so synchronous
+training must equal single-device training on the whole global batch, which
+``reference`` computes.
+
+    python cluster_job.py SPEC BUILDER OUT [--steps N] [--die-at STEP] [--mismatch]
+"""
+import argparse
+import os
+import signal
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+ROWS_PER_REPLICA = 4
+tf1 = tf.compat.v1
+
+
+def global_batch(num_replicas: int):
+    rng = np.random.RandomState(0)
+    rows = ROWS_PER_REPLICA * num_replicas
+    return (rng.randint(0, 12, size=(rows, 3)).astype(np.int32),
+            rng.randn(rows, 5).astype(np.float32), rng.randn(rows, 2).astype(np.float32))
+
+
+def build_model(extra_op: bool = False):
+    """An embedding (sparse gradient) plus two dense layers, Adam; returns feeds and fetches."""
+    tf1.set_random_seed(7)
+    ids = tf1.placeholder(tf.int32, [None, 3], name="ids")
+    x = tf1.placeholder(tf.float32, [None, 5], name="x")
+    y = tf1.placeholder(tf.float32, [None, 2], name="y")
+    embedding = tf1.get_variable("embedding", [12, 4], use_resource=True,
+                                 initializer=tf1.random_normal_initializer(seed=1))
+    w1 = tf1.get_variable("w1", [9, 6], use_resource=True,
+                          initializer=tf1.random_normal_initializer(seed=2))
+    w2 = tf1.get_variable("w2", [6, 2], use_resource=True,
+                          initializer=tf1.random_normal_initializer(seed=3))
+    features = tf.concat([tf.reduce_mean(tf.gather(embedding, ids), axis=1), x], axis=1)
+    if extra_op:
+        features = features * 1.0
+    loss = tf.reduce_mean(tf.square(tf.matmul(tf.tanh(tf.matmul(features, w1)), w2) - y))
+    train = tf1.train.AdamOptimizer(0.05).minimize(
+        loss, global_step=tf1.train.get_or_create_global_step())
+    return (ids, x, y), loss, train, [embedding, w1, w2]
+
+
+def reference(num_replicas: int, steps: int) -> list:
+    """Single-device training on the global batch: the values every strategy must reach."""
+    with tf.Graph().as_default():
+        inputs, _, train, variables = build_model()
+        feeds = dict(zip(inputs, global_batch(num_replicas)))
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            for _ in range(steps):
+                sess.run(train, feeds)
+            return sess.run(variables)
+
+
+def main() -> None:
+    from autodist import AutoDist
+    from autodist.cluster.runtime import ordered_nodes
+    from autodist.strategy import get_builder
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("spec")
+    parser.add_argument("builder")
+    parser.add_argument("out")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--die-at", type=int, default=-1, help="a worker kills itself at this step")
+    parser.add_argument("--mismatch", action="store_true", help="workers build another graph")
+    args = parser.parse_args()
+
+    ad = AutoDist(args.spec, get_builder(args.builder))
+    replicas = ad.resource_spec.replica_devices
+    nodes = ordered_nodes(ad.resource_spec)
+    mine = nodes[ad.node_index]
+    start = sum(1 for r in replicas if nodes.index(r.host_address) < ad.node_index)
+    count = sum(1 for r in replicas if r.host_address == mine)
+    rows = slice(start * ROWS_PER_REPLICA, (start + count) * ROWS_PER_REPLICA)
+    with tf.Graph().as_default(), ad.scope():
+        inputs, loss, train, variables = build_model(extra_op=args.mismatch and not ad.is_chief)
+        feeds = {t: batch[rows] for t, batch in zip(inputs, global_batch(len(replicas)))}
+        sess = ad.create_distributed_session()
+        for step in range(args.steps):
+            if step == args.die_at and not ad.is_chief:
+                print(f"node {ad.node_index} dies at {time.time():.3f}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            value, _ = sess.run([loss, train], feeds)
+            print(f"node {ad.node_index} step {step} loss {value:.6f}", flush=True)
+        values = sess.run(variables)
+    if ad.is_chief:
+        np.savez(args.out, *values)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Multi-node jobs on emulated clusters: real processes, namespaces, TF gRPC servers.
+
+Each job runs tests/cluster_job.py as the chief inside the first namespace; the
+chief launches the workers through their launch prefixes.
+"""
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import cluster_job
+from autodist.cluster import emulate
+
+pytestmark = [
+    pytest.mark.multinode,
+    pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
+                       reason="emulated clusters need root and iproute2"),
+]
+
+JOB = os.path.join(os.path.dirname(__file__), "cluster_job.py")
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    yield from _cluster(tmp_path_factory, "adt2", [1, 1])
+
+
+@pytest.fixture(scope="module")
+def three_nodes(tmp_path_factory):
+    yield from _cluster(tmp_path_factory, "adt3", [1, 1, 2])
+
+
+def _cluster(tmp_path_factory, name, cpus):
+    emulate.down(name)
+    with emulate.emulated_cluster(len(cpus), "1gbit", name=name, cpus_per_node=cpus) as cluster:
+        spec = tmp_path_factory.mktemp(name) / "spec.yml"
+        import yaml
+        spec.write_text(yaml.safe_dump(emulate.spec_dict(cluster)))
+        yield cluster, str(spec)
+
+
+def _run_job(cluster, spec, builder, out, *extra, timeout=150):
+    chief = cluster.hosts[0].launch_prefix
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    return subprocess.run([*chief, sys.executable, JOB, spec, builder, str(out),
+                           "--steps", str(STEPS), *extra],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _assert_no_job_left():
+    left = subprocess.run(["pgrep", "-f", JOB], capture_output=True, text=True).stdout.split()
+    assert not left, f"job processes left behind: {left}"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("builder", ["PS", "PartitionedPS", "AllReduce"])
+@pytest.mark.parametrize("cluster_name", ["two_nodes", "three_nodes"])
+def test_cluster_training_equals_single_device(request, tmp_path, cluster_name, builder):
+    cluster, spec = request.getfixturevalue(cluster_name)
+    out = tmp_path / "variables.npz"
+    done = _run_job(cluster, spec, builder, out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    replicas = sum(h.num_cpus for h in cluster.hosts)
+    want = cluster_job.reference(replicas, STEPS)
+    got = np.load(out)
+    for i, expected in enumerate(want):
+        np.testing.assert_allclose(got[f"arr_{i}"], expected, rtol=1e-5, atol=1e-5)
+    # Every node trained: each printed its last step.
+    for node in range(len(cluster.hosts)):
+        assert f"node {node} step {STEPS - 1} loss" in done.stdout
+    _assert_no_job_left()
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_worker_is_reported_by_name(two_nodes, tmp_path):
+    cluster, spec = two_nodes
+    done = _run_job(cluster, spec, "AllReduce", tmp_path / "v.npz", "--die-at", "1")
+    ended = time.time()
+    assert done.returncode != 0
+    worker = cluster.hosts[1].address
+    assert "WorkerFailedError" in done.stderr and worker in done.stderr, done.stderr[-3000:]
+    died = float(re.search(r"node 1 dies at ([0-9.]+)", done.stdout).group(1))
+    assert ended - died < 30, f"the chief took {ended - died:.1f} s to report the dead worker"
+    _assert_no_job_left()
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_with_another_graph_is_refused(two_nodes, tmp_path):
+    cluster, spec = two_nodes
+    done = _run_job(cluster, spec, "PS", tmp_path / "v.npz", "--mismatch")
+    assert done.returncode != 0
+    assert "FingerprintMismatchError" in done.stderr
+    assert cluster.hosts[1].address in done.stderr and "differs from the chief" in done.stderr
+    _assert_no_job_left()
