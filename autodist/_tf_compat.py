@@ -93,3 +93,29 @@ def graph_element_name(variable: tf.Variable) -> str:
 def add_control_inputs(op: tf.Operation, control_ops: list) -> None:
     """Makes ``op`` run after ``control_ops`` (an edge added after import)."""
     op._add_control_inputs(control_ops)  # pylint: disable=protected-access
+
+
+def import_graph_def(graph_def, input_map: dict, prefix: str) -> None:
+    """Imports ``graph_def`` into the default graph, keeping its NodeDef devices.
+
+    Unlike ``tf.graph_util.import_graph_def`` it skips the per-op Python
+    post-processing (device scopes, colocation attributes), which dominates the
+    rewrite of large graphs: callers set every device in the NodeDefs and strip
+    colocations. Functions of the library must already be in the graph.
+    """
+    from tensorflow.python.client import pywrap_tf_session as c_api
+    from tensorflow.python.framework import c_api_util, importer
+
+    graph = tf.compat.v1.get_default_graph()
+    options = c_api_util.ScopedTFImportGraphDefOptions()
+    importer._PopulateTFImportGraphDefOptions(  # pylint: disable=protected-access
+        options.options, prefix, input_map, None, False)
+    with graph._mutation_lock():  # pylint: disable=protected-access
+        buffer = c_api.TF_NewBufferFromString(graph_def.SerializeToString())
+        try:
+            with graph._c_graph.get() as c_graph:  # pylint: disable=protected-access
+                results = c_api.TF_GraphImportGraphDefWithResults(c_graph, buffer, options.options)
+            c_api_util.ScopedTFImportGraphDefResults(results)
+        finally:
+            c_api.TF_DeleteBuffer(buffer)
+        graph._add_new_tf_operations(compute_devices=False)  # pylint: disable=protected-access

@@ -92,10 +92,11 @@ class GraphItem:
         with graph.as_default():
             self._trainables = [v for v in tf.compat.v1.trainable_variables()
                                 if v.op.name not in optimizer_call.update_op_names]
+            trainable_names = {v.op.name for v in self._trainables}
             self.other_variables = [
                 v for v in tf.compat.v1.global_variables() + tf.compat.v1.local_variables()
                 if v.op.name not in optimizer_call.update_op_names
-                and v.op.name not in {t.op.name for t in self._trainables}]
+                and v.op.name not in trainable_names]
         self.gradients = {}
         for grad, var in optimizer_call.grads_and_vars:
             if grad is None:

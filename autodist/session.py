@@ -129,7 +129,7 @@ class DistributedSession:
     def _resolve(self, name: str):
         distributed, item = self._distributed, self._distributed.item
         if name in self._variable_fetches:
-            return distributed.storage[self._variable_fetches[name]].full_value
+            return distributed.storage[self._variable_fetches[name]].full_value()
         op_name = name.split(":")[0]
         if op_name in item.optimizer_call.update_op_names:
             if ":" in name:
@@ -137,7 +137,7 @@ class DistributedSession:
                                  "optimizer's update; fetch the train op instead.")
             return distributed.train_op
         if op_name in item.initializer_of:
-            return distributed.variable_inits[item.initializer_of[op_name]]
+            return distributed.storage[item.initializer_of[op_name]].initializer()
         if op_name in item.excluded:
             raise ValueError(f"AutoDist cannot fetch '{name}': it belongs to a variable that "
                              "the strategy recreated; fetch the variable itself.")

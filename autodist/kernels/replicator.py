@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from autodist import _tf_compat
 from autodist.graph_item import GraphItem
 from autodist.kernels.context import KernelContext, replica_scope
 
@@ -22,7 +23,7 @@ def _op_name(input_name: str) -> str:
 
 
 def _subgraph(item: GraphItem, names: set, external: dict, deferred: list,
-              device_for=lambda node: ""):
+              device_for=lambda node: "", with_library: bool = True):
     """GraphDef of the ``names`` nodes, ready to import.
 
     Colocations are cleared and devices set by ``device_for(node)`` (the strategy
@@ -33,7 +34,8 @@ def _subgraph(item: GraphItem, names: set, external: dict, deferred: list,
     """
     graph_def = tf.compat.v1.GraphDef()
     graph_def.versions.CopyFrom(item.graph_def.versions)
-    graph_def.library.CopyFrom(item.graph_def.library)
+    if with_library:
+        graph_def.library.CopyFrom(item.graph_def.library)
     for node in item.graph_def.node:
         if node.name not in names:
             continue
@@ -95,11 +97,13 @@ def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
     graph = tf.compat.v1.get_default_graph()
     external = {}
     local_deferred = []
-    graph_def = _subgraph(item, item.replicated, external, local_deferred)
+    # The library came with the shared import; each copy only adds its ops.
+    graph_def = _subgraph(item, item.replicated, external, local_deferred, with_library=False)
     for replica in range(ctx.num_replicas):
         scope = replica_scope(replica)
+        device = ctx.replica_tf_device(replica)
         input_map = {}
-        with tf.device(ctx.replica_tf_device(replica)):
+        with tf.device(device):
             for name in external:
                 source = _op_name(name)
                 if source in item.variables:
@@ -113,7 +117,9 @@ def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
                     raise NotImplementedError(
                         f"The model reads '{name}', produced by the optimizer's update; "
                         "AutoDist cannot replicate that graph.")
-            tf.graph_util.import_graph_def(graph_def, input_map=input_map, name=scope)
+        for node in graph_def.node:
+            node.device = device
+        _tf_compat.import_graph_def(graph_def, input_map, scope)
         deferred.extend((f"{scope}/{node}", source) for node, source in local_deferred)
 
 

@@ -43,10 +43,28 @@ class PartStorage:
 
 @dataclasses.dataclass
 class VariableStorage:
+    """Where a variable's parts live and what each replica reads.
+
+    Ops that only some runs need (the full value, the initializer) are built on
+    demand, in the graph's context: a large model would pay for them up front.
+    """
+
     compiled: CompiledVariable
     parts: list
     handles: list           # per replica: the resource handle the model reads
-    full_value: tf.Tensor   # the whole, synchronized value (what a fetch returns)
+    device: str             # where the full value is assembled
+
+    def full_value(self) -> tf.Tensor:
+        """The whole, synchronized value, as a fetch returns it."""
+        with tf.device(self.device):
+            reads = [p.copies[0].read_value() for p in self.parts]
+            if self.compiled.plan is None:
+                return reads[0]
+            return partitioner.stitch(reads, self.compiled.plan)
+
+    def initializer(self) -> tf.Operation:
+        """Initializes every stored copy of the variable."""
+        return tf.group(*[c.initializer for p in self.parts for c in p.copies + p.readers])
 
 
 @dataclasses.dataclass
@@ -68,7 +86,6 @@ class DistributedGraph:
     train_op: Optional[tf.Operation] = None
     init_ops: tuple = ()
     chief_uninitialized: Optional[tf.Tensor] = None
-    variable_inits: dict = dataclasses.field(default_factory=dict)
 
     def replica_element(self, name: str, replica: int):
         """The replica's copy of an op or tensor of the original graph."""
@@ -100,9 +117,6 @@ def transform(item: GraphItem, compiled: CompiledStrategy, ctx: KernelContext) -
                              deferred)
         sync = _synchronize(result)
         result.train_op = _apply_updates(item, sync, shared_variables, ctx)
-        result.variable_inits = {
-            name: tf.group(*[c.initializer for p in s.parts for c in p.copies + p.readers])
-            for name, s in result.storage.items()}
         _reconnect(result, deferred)
         _plan_initialization(result, list(shared_variables.values()), sync.staleness)
     return result
@@ -152,15 +166,12 @@ def _create_storage(item: GraphItem, variable: CompiledVariable,
         else:
             copies, origin = create_all_reduce_storage(part.name, value, ctx)
             parts.append(PartStorage(part, copies, copies, origin))
-    with tf.device(ctx.shared_device):
-        full_value = (parts[0].copies[0].read_value() if variable.plan is None else
-                      partitioner.stitch([p.copies[0].read_value() for p in parts], variable.plan))
     if variable.plan is None:
         handles = [reader.handle for reader in parts[0].readers]
     else:
         handles = [_stitched_handle(variable, parts, replica, ctx)
                    for replica in range(ctx.num_replicas)]
-    return VariableStorage(variable, parts, handles, full_value)
+    return VariableStorage(variable, parts, handles, ctx.shared_device)
 
 
 def _stitched_handle(variable: CompiledVariable, parts: list, replica: int,
@@ -301,7 +312,7 @@ def _reconnect(result: DistributedGraph, deferred: list) -> None:
     graph, item = result.graph, result.item
     for node, source in deferred:
         if source in item.initializer_of:
-            target = result.variable_inits[item.initializer_of[source]]
+            target = result.storage[item.initializer_of[source]].initializer()
         elif source in item.optimizer_call.update_op_names:
             target = result.train_op
         elif source in item.replicated:
