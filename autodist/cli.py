@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import yaml
 
-from autodist.cluster import emulate
+from autodist.cluster import emulate, probe
 
 
 def _split(values: Sequence[str] | None) -> list[str]:
@@ -87,6 +87,7 @@ def _add_emulate(subparsers: argparse._SubParsersAction) -> None:
 
 SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
     "emulate": _add_emulate,
+    "probe": probe.add_subcommand,
 }
 """Subcommand name -> function that registers its parser (see the module docstring)."""
 
