@@ -1,0 +1,51 @@
+"""compile_strategy: the checks that run before any graph rewrite."""
+import pytest
+
+from autodist.strategy import AllReduce, Parallax, PartitionedPS, Strategy, StrategyError
+from autodist.strategy.compiler import compile_strategy
+from test_builders import GRAPH, ONE_NODE, THREE_NODES
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_partitioned_variables_compile_to_their_parts():
+    compiled = compile_strategy(PartitionedPS().build(GRAPH, THREE_NODES), GRAPH, THREE_NODES)
+    emb = compiled.variables["emb"]
+    assert emb.plan.axis == 0 and sum(emb.plan.sizes) == 1000
+    assert [p.name for p in emb.parts] == [f"emb/part_{i}" for i in range(emb.plan.num_parts)]
+    assert sum(p.shape[0] for p in emb.parts) == 1000
+
+
+def test_a_device_outside_the_spec_is_named():
+    strategy = AllReduce().build(GRAPH, ONE_NODE)
+    node = strategy.node_config_by_name()["step"]
+    node.PSSynchronizer.reduction_destination = "elsewhere:CPU:0"
+    with pytest.raises(StrategyError, match="reduction_destination 'elsewhere:CPU:0'"):
+        compile_strategy(strategy, GRAPH, ONE_NODE)
+
+
+def test_a_partitioner_that_does_not_fit_is_named():
+    strategy = PartitionedPS().build(GRAPH, ONE_NODE)
+    strategy.node_config_by_name()["emb"].partitioner = "2,2"
+    with pytest.raises(StrategyError, match="'emb': partitioner '2,2' splits 2 axes"):
+        compile_strategy(strategy, GRAPH, ONE_NODE)
+
+
+def test_a_variable_without_synchronizer_is_named():
+    strategy = AllReduce().build(GRAPH, ONE_NODE)
+    strategy.node_config_by_name()["scale"].ClearField("AllReduceSynchronizer")
+    with pytest.raises(StrategyError, match="'scale' has no synchronizer"):
+        compile_strategy(strategy, GRAPH, ONE_NODE)
+
+
+def test_mixing_ps_and_all_reduce_on_several_nodes_is_refused():
+    with pytest.raises(StrategyError, match="mixes PS variables .*emb.* and AllReduce"):
+        compile_strategy(Parallax().build(GRAPH, THREE_NODES), GRAPH, THREE_NODES)
+    # One node runs it, and on several nodes one kind per job compiles.
+    compile_strategy(Parallax().build(GRAPH, ONE_NODE), GRAPH, ONE_NODE)
+    compile_strategy(AllReduce().build(GRAPH, THREE_NODES), GRAPH, THREE_NODES)
+
+
+def test_an_empty_strategy_is_refused():
+    with pytest.raises(StrategyError, match="no replica devices"):
+        compile_strategy(Strategy(), GRAPH, ONE_NODE)
