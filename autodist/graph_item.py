@@ -40,6 +40,7 @@ class VariableInfo:
 
 
 _BATCHED_INPUT_OPS = ("Placeholder", "PlaceholderWithDefault")
+_UNSTABLE_ATTRS = ("value", "seed", "seed2")
 _PER_REPLICA_INPUT_OPS = ("IteratorGetNext", "IteratorGetNextSync")
 
 
@@ -151,8 +152,20 @@ class GraphItem:
 
     @property
     def fingerprint(self) -> str:
-        """Digest of the graph; every node of a job must build the same one."""
-        return hashlib.sha256(self.graph_def.SerializeToString(deterministic=True)).hexdigest()[:16]
+        """Digest of the graph's structure; every node of a job must build the same one.
+
+        Constant values and random seeds are left out: unseeded initializers differ
+        from process to process, and on a cluster initial values come from the chief.
+        """
+        digest = hashlib.sha256()
+        for node in sorted(self.graph_def.node, key=lambda n: n.name):
+            attrs = sorted(key for key in node.attr if key not in _UNSTABLE_ATTRS)
+            digest.update(repr((node.name, node.op, list(node.input), attrs,
+                                [node.attr[key].SerializeToString(deterministic=True)
+                                 for key in attrs])).encode())
+        for function in self.graph_def.library.function:
+            digest.update(function.signature.name.encode())
+        return digest.hexdigest()[:16]
 
     def is_replicated(self, tensor_or_op_name: str) -> bool:
         return tensor_or_op_name.lstrip("^").split(":")[0] in self.replicated

@@ -98,3 +98,27 @@ def test_a_worker_with_another_graph_is_refused(two_nodes, tmp_path):
     assert "FingerprintMismatchError" in done.stderr
     assert cluster.hosts[1].address in done.stderr and "differs from the chief" in done.stderr
     _assert_no_job_left()
+
+
+@pytest.mark.timeout(240)
+def test_unseeded_keras_model_starts_from_the_chiefs_values(two_nodes):
+    """The README's example: Keras layers with unseeded initializers, on two nodes.
+
+    Each process draws other random initial values; the workers' copies must
+    start from the chief's, so both nodes report the same losses.
+    """
+    cluster, spec = two_nodes
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "train_mlp.py")
+    done = subprocess.run([*cluster.hosts[0].launch_prefix, sys.executable, example,
+                           "--spec", spec, "--builder", "AllReduce", "--steps", "4"],
+                          capture_output=True, text=True, timeout=180,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = re.findall(r"step +(\d+) +loss ([0-9.]+)", done.stdout)
+    by_step = {}
+    for step, loss in losses:
+        by_step.setdefault(int(step), []).append(loss)
+    assert sorted(by_step) == [0, 1, 2, 3]
+    for step, values in by_step.items():
+        assert len(values) == 2 and values[0] == values[1], (step, values)
+    _assert_no_job_left()
