@@ -181,6 +181,18 @@ def test_lost_heartbeat_is_reported_within_the_timeout(make_server, make_client)
     assert "no heartbeat" in server.failures()["w1"]
 
 
+def test_worker_notices_a_chief_that_is_gone(make_server, make_client):
+    server = make_server(nodes=("w1",))
+    client = make_client(server.port, "w1")
+    lost = threading.Event()
+    client.start_heartbeat(interval=0.1, on_chief_lost=lost.set, lost_after=0.5)
+    client.fetch_strategy(FINGERPRINT)
+    # A chief that answers is never given up on.
+    assert not lost.wait(1.0)
+    server.stop()
+    assert lost.wait(5.0)
+
+
 def test_worker_that_reported_done_may_go_silent(make_server, make_client):
     server = make_server(nodes=("w1",), heartbeat_timeout=0.5)
     client = make_client(server.port, "w1")

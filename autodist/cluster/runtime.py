@@ -32,6 +32,7 @@ SERVICE_PORT_ENV = "AUTODIST_SERVICE_PORT"
 TF_PORT_ENV = "AUTODIST_TF_PORT"          # port of every node's TensorFlow server
 DEFAULT_TF_PORT = 15470
 WORKER_EXIT_GRACE_S = 60.0
+CHIEF_LOST_S = 30.0                       # a worker exits once its chief is silent this long
 JOB = "worker"
 
 
@@ -205,7 +206,7 @@ class WorkerAgent:
     def __init__(self, role: NodeRole):
         self._client = StrategyClient(os.environ[CHIEF_ENV], int(os.environ[SERVICE_PORT_ENV]),
                                       os.environ[TOKEN_ENV], role.address)
-        self._client.start_heartbeat()
+        self._client.start_heartbeat(on_chief_lost=_exit_orphaned, lost_after=CHIEF_LOST_S)
         _at_exit(self.close)
 
     def fetch_strategy(self, fingerprint: str):
@@ -223,6 +224,13 @@ class WorkerAgent:
         except ServiceError:
             pass
         self._client.close()
+
+
+def _exit_orphaned() -> None:
+    """Ends a worker whose chief has gone: nothing will ever stop it otherwise."""
+    sys.stderr.write(f"AutoDist worker: the chief has not answered for {CHIEF_LOST_S:.0f} s; "
+                     "exiting.\n")
+    os._exit(1)
 
 
 def _at_exit(callback) -> None:

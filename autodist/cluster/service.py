@@ -22,7 +22,7 @@ import secrets
 import threading
 import time
 from concurrent import futures
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import grpc
 
@@ -471,7 +471,9 @@ class StrategyClient:
         """
         self._report(_Status.DONE)
 
-    def start_heartbeat(self, interval: float = 2.0) -> None:
+    def start_heartbeat(self, interval: float = 2.0,
+                        on_chief_lost: Optional[Callable[[], None]] = None,
+                        lost_after: float = 30.0) -> None:
         """Starts a daemon thread that sends a heartbeat every ``interval`` seconds.
 
         Does nothing if the heartbeat already runs.
@@ -479,6 +481,9 @@ class StrategyClient:
         Args:
             interval: seconds between heartbeats; well below the chief's
                 ``heartbeat_timeout``.
+            on_chief_lost: called (from the heartbeat thread) once heartbeats have
+                failed for ``lost_after`` seconds in a row: the chief is gone.
+            lost_after: see ``on_chief_lost``.
 
         Raises:
             ValueError: if ``interval`` is not positive.
@@ -488,21 +493,25 @@ class StrategyClient:
         if self._heartbeat is not None and self._heartbeat.is_alive():
             return
         self._stop_heartbeat.clear()
-        self._heartbeat = threading.Thread(target=self._beat, args=(interval,), daemon=True,
-                                           name=f"autodist-heartbeat-{self._node}")
+        self._heartbeat = threading.Thread(target=self._beat,
+                                           args=(interval, on_chief_lost, lost_after),
+                                           daemon=True, name=f"autodist-heartbeat-{self._node}")
         self._heartbeat.start()
 
-    def _beat(self, interval: float) -> None:
+    def _beat(self, interval: float, on_chief_lost, lost_after: float) -> None:
         request = service_pb2.HeartbeatRequest(node=self._node)
-        failing = False
+        failing_since = None
         while not self._stop_heartbeat.is_set():
             try:
                 self._call("Heartbeat", request, timeout=max(interval, 1.0), wait_for_ready=False)
-                failing = False
+                failing_since = None
             except ServiceError as err:
-                if not failing and not self._stop_heartbeat.is_set():
+                if failing_since is None and not self._stop_heartbeat.is_set():
                     logger.warning("Heartbeat from node %r failed: %s", self._node, err)
-                failing = True
+                failing_since = failing_since or time.monotonic()
+                if on_chief_lost and time.monotonic() - failing_since >= lost_after:
+                    on_chief_lost()
+                    return
             self._stop_heartbeat.wait(interval)
 
     def close(self) -> None:
