@@ -12,6 +12,9 @@ from autodist.kernels.transformer import DistributedGraph
 
 _MONITOR_INTERVAL_S = 0.5
 _FAILURE_ATTRIBUTION_S = 3.0
+# What a step dies of when another node goes away.
+_PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError,
+                tf.errors.DeadlineExceededError, tf.errors.InternalError)
 
 
 class DistributedSession:
@@ -65,7 +68,7 @@ class DistributedSession:
             thread.join(_MONITOR_INTERVAL_S)
             if thread.is_alive():
                 self._monitor()
-        if "error" in outcome:
+        if isinstance(outcome.get("error"), _PEER_ERRORS):
             # A step failing because a peer vanished says so in TF's words; the
             # monitor names the node, once the dead process has been noticed.
             deadline = time.monotonic() + _FAILURE_ATTRIBUTION_S
@@ -75,6 +78,7 @@ class DistributedSession:
                 except Exception as failure:
                     raise failure from outcome["error"]
                 time.sleep(_MONITOR_INTERVAL_S)
+        if "error" in outcome:
             raise outcome["error"]
         return outcome["value"]
 
