@@ -51,16 +51,21 @@ def check_positive_int(name: str, value: Optional[int], allow_none: bool = False
         raise ValueError(f"{name} must be an int >= 1{suffix}, got {name}={value!r}.")
 
 
+def _enum_value(enum, field: str, name: str) -> int:
+    """The value of ``name`` in a proto enum; ValueError listing the valid names."""
+    valid = list(enum.keys())
+    if name not in valid:
+        raise ValueError(f"Unknown {field}={name!r}; valid names are {valid}.")
+    return enum.Value(name)
+
+
 def ar_spec_value(name: str) -> int:
     """Maps an all-reduce spec name to its ``AllReduceSynchronizer.Spec`` value.
 
     Raises:
         ValueError: listing the valid names when ``name`` is unknown.
     """
-    valid = list(_AR.Spec.keys())
-    if name not in valid:
-        raise ValueError(f"Unknown all_reduce_spec={name!r}; valid names are {valid}.")
-    return _AR.Spec.Value(name)
+    return _enum_value(_AR.Spec, "all_reduce_spec", name)
 
 
 def ar_compressor_value(name: str) -> int:
@@ -69,10 +74,7 @@ def ar_compressor_value(name: str) -> int:
     Raises:
         ValueError: listing the valid names when ``name`` is unknown.
     """
-    valid = list(_AR.Compressor.keys())
-    if name not in valid:
-        raise ValueError(f"Unknown compressor={name!r}; valid names are {valid}.")
-    return _AR.Compressor.Value(name)
+    return _enum_value(_AR.Compressor, "compressor", name)
 
 
 # --------------------------------------------------------------------------- strategy skeleton
