@@ -12,7 +12,9 @@ setup(
         "protobuf>=7.35.1",
         "numpy",
         "PyYAML",
+        "grpcio>=1.85",
     ],
+    entry_points={"console_scripts": ["autodist=autodist.cli:main"]},
     extras_require={
         "test": ["pytest", "pytest-timeout", "grpcio-tools>=1.85"],
     },
