@@ -12,7 +12,7 @@ from autodist.cluster import runtime
 from autodist.graph_item import GraphItem
 from autodist.kernels.context import KernelContext
 from autodist.kernels.transformer import transform
-from autodist.resource_spec import ResourceSpec
+from autodist.resource_spec import DeviceSpec, ResourceSpec
 from autodist.session import DistributedSession
 from autodist.strategy.base import Strategy, StrategyBuilder
 from autodist.strategy.compiler import compile_strategy
@@ -153,7 +153,8 @@ class AutoDist:
 
     def _kernel_context(self, strategy: Strategy, tf_devices: dict) -> KernelContext:
         spec, role = self._resource_spec, self._role
-        local = tuple(r for r in strategy.replicas if r.rsplit(":", 2)[0] == role.address)
+        local = tuple(r for r in strategy.replicas
+                      if DeviceSpec.from_string(r).host_address == role.address)
         cpu = {d.host_address: d.name_string() for d in spec.ps_devices}
         return KernelContext(replica_devices=local, tf_devices=tf_devices,
                              shared_device=tf_devices[cpu[role.address]],
