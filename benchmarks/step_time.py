@@ -39,17 +39,17 @@ from __future__ import annotations
 
 import argparse
 import ast
-import datetime
 import json
 import math
 import os
-import platform
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+import report
 
 ENV = {
     "AUTODIST_INTRA_OP_THREADS": "1",
@@ -565,17 +565,6 @@ def emulate_rate(rate: str) -> float:
     return emulate.parse_rate(rate)
 
 
-def machine_info() -> dict:
-    from importlib import metadata
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"date": datetime.date.today().isoformat(), "cores": os.cpu_count(), "cpu": cpu,
-            "tf": metadata.version("tensorflow"), "python": platform.python_version(),
-            "load": "%.1f" % os.getloadavg()[0]}
 
 
 def _links_sentence(links: list) -> str:
@@ -587,33 +576,6 @@ def _links_sentence(links: list) -> str:
             "direction).")
 
 
-def write_section(path: str, section: str) -> None:
-    """Replaces (or appends) this script's section, re-reading the file just before and
-    replacing it atomically, so another script's section written meanwhile survives."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    text = ""
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + section + rest.split(END, 1)[1]
-    else:
-        if not text:
-            text = ("# Benchmarks\n\nResults of the scripts in `benchmarks/`; each script "
-                    "rewrites only its own section.\n")
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".benchmarks.", suffix=".md")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 # --------------------------------------------------------------------------- main
@@ -694,8 +656,8 @@ def main(argv=None) -> int:
     print(f"\nGoal {GOAL_BUILDER} <= {GOAL_RATIO}x ring bound: "
           f"{ {True: 'holds', False: 'DOES NOT HOLD', None: 'not measured'}[holds] } ({verdict})")
     if not args.no_write:
-        write_section(args.out, format_markdown(rows, floor_rows, machine_info(), args, nbytes,
-                                                links))
+        section = format_markdown(rows, floor_rows, report.machine_info(), args, nbytes, links)
+        report.write_section(args.out, section, BEGIN, END)
         print(f"wrote the step_time section of {args.out}")
     return 0 if holds is not False else 1
 

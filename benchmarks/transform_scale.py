@@ -33,14 +33,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
+
+import report
 
 ENV = {
     "AUTODIST_INTRA_OP_THREADS": "1",
@@ -229,23 +229,6 @@ def goal_verdict(rows: list):
     return holds, "; ".join(parts)
 
 
-def machine_info() -> dict:
-    import tensorflow as tf
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        load = "%.1f" % os.getloadavg()[0]
-    except OSError:
-        load = "?"
-    return {"date": datetime.date.today().isoformat(), "cores": os.cpu_count(), "cpu": cpu,
-            "tf": tf.__version__, "python": platform.python_version(), "load": load}
 
 
 def format_markdown(rows: list, info: dict, args) -> str:
@@ -300,23 +283,6 @@ def format_markdown(rows: list, info: dict, args) -> str:
     ])
 
 
-def write_section(path: str, section: str) -> None:
-    text = ""
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        tail = rest.split(END, 1)[1]
-        text = head + section + tail
-    else:
-        if not text:
-            text = "# Benchmarks\n\nResults of the scripts in `benchmarks/`; each script " \
-                   "rewrites only its own section.\n"
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
 
 
 # --------------------------------------------------------------------------- profiling
@@ -483,7 +449,8 @@ def main(argv=None) -> int:
     print(f"\nGoal {GOAL_VARS} x {GOAL_REPLICAS} rewrite < {GOAL_SECONDS:g} s: "
           f"{ {True: 'holds', False: 'DOES NOT HOLD', None: 'not measured'}[holds] } ({verdict})")
     if not args.no_write:
-        write_section(args.out, format_markdown(rows, machine_info(), args))
+        report.write_section(args.out, format_markdown(rows, report.machine_info(), args),
+                             BEGIN, END)
         print(f"wrote the transform_scale section of {args.out}")
     return 0 if holds is not False else 1
 
