@@ -15,7 +15,7 @@ from autodist.kernels.transformer import transform
 from autodist.resource_spec import DeviceSpec, ResourceSpec
 from autodist.session import DistributedSession
 from autodist.strategy.base import Strategy, StrategyBuilder
-from autodist.strategy.compiler import compile_strategy
+from autodist.strategy.compiler import CompiledStrategy, compile_strategy
 
 THREADS_ENV = ("AUTODIST_INTRA_OP_THREADS", "AUTODIST_INTER_OP_THREADS")
 JOIN_TIMEOUT_S = 300.0
@@ -96,9 +96,10 @@ class AutoDist:
         item = self._graph_item()
         if len(self._resource_spec.nodes) == 1:
             strategy = self._build_strategy(item)
-            ctx = self._kernel_context(strategy, self._local_devices())
-            session = DistributedSession(transform(item, compile_strategy(
-                strategy, item, self._resource_spec), ctx), config=self._config(config))
+            compiled = compile_strategy(strategy, item, self._resource_spec)
+            ctx = self._kernel_context(compiled, self._local_devices())
+            session = DistributedSession(transform(item, compiled, ctx),
+                                         config=self._config(config))
         else:
             strategy, session = self._join_cluster(item, config)
         self._strategy = strategy
@@ -138,7 +139,7 @@ class AutoDist:
             monitor = None
         node_config = runtime.session_config(self._config(config))
         server = runtime.start_tf_server(spec, role, node_config)
-        ctx = self._kernel_context(strategy, runtime.tf_devices(spec))
+        ctx = self._kernel_context(compiled, runtime.tf_devices(spec))
         session = DistributedSession(transform(item, compiled, ctx), config=node_config,
                                      target=server.target, monitor=monitor)
         if role.is_chief:
@@ -151,8 +152,10 @@ class AutoDist:
         devices = self._resource_spec.cpu_devices + self._resource_spec.replica_devices
         return {d.name_string(): f"/device:{d.device_type}:{d.device_index}" for d in devices}
 
-    def _kernel_context(self, strategy: Strategy, tf_devices: dict) -> KernelContext:
-        spec, role = self._resource_spec, self._role
+    def _kernel_context(self, compiled: CompiledStrategy, tf_devices: dict) -> KernelContext:
+        spec, role, strategy = self._resource_spec, self._role, compiled.strategy
+        kinds = {part.is_ps for variable in compiled.variables.values()
+                 for part in variable.parts if variable.info.has_grad}
         local = tuple(r for r in strategy.replicas
                       if DeviceSpec.from_string(r).host_address == role.address)
         cpu = {d.host_address: d.name_string() for d in spec.ps_devices}
@@ -160,7 +163,8 @@ class AutoDist:
                              shared_device=tf_devices[cpu[role.address]],
                              chief_device=tf_devices[cpu[spec.chief]],
                              node_index=role.task_index, num_nodes=len(spec.nodes),
-                             group_size=len(strategy.replicas))
+                             group_size=len(strategy.replicas),
+                             has_ps=True in kinds, has_all_reduce=False in kinds)
 
     def _config(self, user_config) -> tf.compat.v1.ConfigProto:
         cpus = max(self._resource_spec.node(self._role.address).cpus) + 1

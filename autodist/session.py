@@ -111,8 +111,13 @@ class DistributedSession:
         for key, value in (feed_dict or {}).items():
             for target in self._map_feed(key):
                 feeds[target] = value
-        return self._watched(self._session.run, mapped, feed_dict=feeds, options=options,
-                             run_metadata=run_metadata)
+        result = self._watched(self._session.run, mapped, feed_dict=feeds, options=options,
+                               run_metadata=run_metadata)
+        second = self._distributed.ps_step_op
+        if second is not None and any(f is self._distributed.train_op
+                                      for f in tf.nest.flatten(mapped)):
+            self._watched(self._session.run, second)
+        return result
 
     def close(self) -> None:
         self._session.close()
@@ -126,7 +131,8 @@ class DistributedSession:
     def _map_fetch(self, fetch):
         name = _element_name(fetch)
         if name not in self._cache:
-            with self._graph.as_default():
+            # Ops combining replicas stay on this node (a step must not reach others).
+            with self._graph.as_default(), tf.device(self._distributed.ctx.shared_device):
                 self._cache[name] = self._resolve(name)
         return self._cache[name]
 

@@ -1,7 +1,7 @@
 """compile_strategy: the checks that run before any graph rewrite."""
 import pytest
 
-from autodist.strategy import AllReduce, Parallax, PartitionedPS, Strategy, StrategyError
+from autodist.strategy import AllReduce, PartitionedPS, Strategy, StrategyError
 from autodist.strategy.compiler import compile_strategy
 from test_builders import GRAPH, ONE_NODE, THREE_NODES
 
@@ -36,14 +36,6 @@ def test_a_variable_without_synchronizer_is_named():
     strategy.node_config_by_name()["scale"].ClearField("AllReduceSynchronizer")
     with pytest.raises(StrategyError, match="'scale' has no synchronizer"):
         compile_strategy(strategy, GRAPH, ONE_NODE)
-
-
-def test_mixing_ps_and_all_reduce_on_several_nodes_is_refused():
-    with pytest.raises(StrategyError, match="mixes PS variables .*emb.* and AllReduce"):
-        compile_strategy(Parallax().build(GRAPH, THREE_NODES), GRAPH, THREE_NODES)
-    # One node runs it, and on several nodes one kind per job compiles.
-    compile_strategy(Parallax().build(GRAPH, ONE_NODE), GRAPH, ONE_NODE)
-    compile_strategy(AllReduce().build(GRAPH, THREE_NODES), GRAPH, THREE_NODES)
 
 
 def test_an_empty_strategy_is_refused():

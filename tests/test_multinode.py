@@ -59,7 +59,7 @@ def _assert_no_job_left():
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("builder", ["PS", "PartitionedPS", "AllReduce"])
+@pytest.mark.parametrize("builder", ["PS", "PartitionedPS", "AllReduce", "Parallax"])
 @pytest.mark.parametrize("cluster_name", ["two_nodes", "three_nodes"])
 def test_cluster_training_equals_single_device(request, tmp_path, cluster_name, builder):
     cluster, spec = request.getfixturevalue(cluster_name)

@@ -21,6 +21,8 @@ class KernelContext:
         node_index: this node's position in the cluster; 0 is the chief.
         num_nodes: nodes in the cluster.
         group_size: replicas in the whole cluster (0: this node's replicas).
+        has_ps: the strategy has PS-synchronized parts.
+        has_all_reduce: the strategy has all-reduced parts.
     """
 
     replica_devices: tuple
@@ -30,6 +32,8 @@ class KernelContext:
     node_index: int = 0
     num_nodes: int = 1
     group_size: int = 0
+    has_ps: bool = False
+    has_all_reduce: bool = False
 
     @property
     def num_replicas(self) -> int:
@@ -48,9 +52,29 @@ class KernelContext:
         return self.num_nodes > 1
 
     @property
+    def collective_steps(self) -> bool:
+        """Cross-node collectives run in the training step.
+
+        TensorFlow then gives every node's step the same id, and the end of one
+        node's step aborts whatever another node's step still does on its task:
+        such a step must stay on the node's own devices.
+        """
+        return self.multi_node and self.has_all_reduce
+
+    @property
+    def split_step(self) -> bool:
+        """A step is two runs: a local one with the collectives, then the PS traffic."""
+        return self.collective_steps and self.has_ps
+
+    @property
+    def shared_variables_on_chief(self) -> bool:
+        """One copy of the non-trainables (a global step) on the chief, or one per node."""
+        return self.multi_node and not self.collective_steps
+
+    @property
     def variable_device(self) -> str:
         """Where the shared non-trainable variables live."""
-        return self.chief_device or self.shared_device
+        return self.chief_device if self.shared_variables_on_chief else self.shared_device
 
     def tf_device(self, device: str) -> str:
         """TensorFlow device name of a strategy device string."""

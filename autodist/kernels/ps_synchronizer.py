@@ -14,16 +14,17 @@ from autodist.kernels.context import KernelContext, replica_scope
 def create_ps_storage(name: str, initial_value: tf.Tensor, sync, ctx: KernelContext):
     """Creates the shared variable and, when asked for, the replicas' proxies.
 
-    Proxies exist with ``local_replication`` or a staleness bound: replicas then
-    read a local copy that is refreshed after updates, not the shared one. On a
-    cluster a proxy starts from the shared value (the chief's initial value).
+    Proxies exist with ``local_replication``, a staleness bound, or when the step
+    is split (a collective step may only read local copies): replicas then read a
+    local copy that is refreshed after updates, not the shared one. On a cluster
+    a proxy starts from the shared value (the chief's initial value).
 
     Returns:
         (shared variable, list of what each replica reads)
     """
     with tf.device(ctx.tf_device(sync.reduction_destination)):
         shared = tf.Variable(initial_value, name=name)
-    if not (sync.local_replication or sync.staleness > 0):
+    if not (sync.local_replication or sync.staleness > 0 or ctx.split_step):
         return shared, [shared] * ctx.num_replicas
     start = shared.read_value() if ctx.multi_node else initial_value
     proxies = []
@@ -87,8 +88,13 @@ def node_contribution(grads: list, sync, ctx: KernelContext):
     The shares of all nodes add up to the mean over every replica of the
     cluster, whatever the number of replicas per node.
     """
-    device = sync.transfer_destination or sync.reduction_destination
-    with tf.device(ctx.tf_device(device)):
+    if sync.transfer_destination:
+        device = ctx.tf_device(sync.transfer_destination)
+    elif ctx.split_step:
+        device = ctx.shared_device  # the collective run stays on this node
+    else:
+        device = ctx.tf_device(sync.reduction_destination)
+    with tf.device(device):
         total = _sum(grads)
         scale = 1.0 / ctx.total_replicas
         if isinstance(total, tf.IndexedSlices):
@@ -129,7 +135,31 @@ def accumulate_across_nodes(name: str, contribution, shape: tuple, sync,
 
 def token_queue(worker: int, ctx: KernelContext) -> tf.queue.FIFOQueue:
     """The queue through which the chief lets worker ``worker`` start its next step."""
-    with tf.device(ctx.variable_device):
+    with tf.device(ctx.chief_device):
         return tf.queue.FIFOQueue(capacity=-1, dtypes=[tf.int64], shapes=[[]],
                                   shared_name=f"autodist_sync_token_{worker}",
                                   name=f"autodist_sync_token_{worker}")
+
+
+def stash(name: str, contribution, ctx: KernelContext):
+    """Keeps this node's contribution in local variables between a step's two runs.
+
+    Returns:
+        (op storing it, run by the collective run; the stored value, read by the
+        PS run), a dense tensor or IndexedSlices like ``contribution``
+    """
+    def holder(value, suffix):
+        return tf.Variable(tf.zeros([0] * value.shape.rank, value.dtype), shape=tf.TensorShape(None),
+                           trainable=False, collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES],
+                           name=f"{name}/stash_{suffix}")
+
+    with tf.device(ctx.shared_device):
+        if isinstance(contribution, tf.IndexedSlices):
+            indices = tf.cast(contribution.indices, tf.int64)
+            values_var, indices_var = holder(contribution.values, "values"), holder(indices, "indices")
+            store = tf.group(values_var.assign(contribution.values, read_value=False),
+                             indices_var.assign(indices, read_value=False))
+            return store, tf.IndexedSlices(values_var.read_value(), indices_var.read_value(),
+                                           contribution.dense_shape)
+        values_var = holder(contribution, "values")
+        return values_var.assign(contribution, read_value=False), values_var.read_value()

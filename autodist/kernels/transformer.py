@@ -27,7 +27,7 @@ from autodist.kernels.all_reduce_synchronizer import (
 from autodist.kernels.context import KernelContext, replica_scope
 from autodist.kernels.ps_synchronizer import (
     accumulate_across_nodes, create_ps_storage, node_contribution, reduce_ps_gradients,
-    refresh_proxies, token_queue)
+    refresh_proxies, stash, token_queue)
 from autodist.strategy.compiler import CompiledStrategy, CompiledVariable
 
 
@@ -84,6 +84,7 @@ class DistributedGraph:
     ctx: KernelContext
     storage: dict
     train_op: Optional[tf.Operation] = None
+    ps_step_op: Optional[tf.Operation] = None  # a split step's second run, after train_op's
     init_ops: tuple = ()
     chief_uninitialized: Optional[tf.Tensor] = None
 
@@ -116,7 +117,7 @@ def transform(item: GraphItem, compiled: CompiledStrategy, ctx: KernelContext) -
         replicator.replicate(item, ctx, {n: s.handles for n, s in result.storage.items()},
                              deferred)
         sync = _synchronize(result)
-        result.train_op = _apply_updates(item, sync, shared_variables, ctx)
+        result.train_op, result.ps_step_op = _apply_updates(item, sync, shared_variables, ctx)
         _reconnect(result, deferred)
         _plan_initialization(result, list(shared_variables.values()), sync.staleness)
     return result
@@ -126,7 +127,8 @@ def _plan_initialization(result: DistributedGraph, shared_variables: list,
                          staleness: int) -> None:
     ctx = result.ctx
     everything = (tf.compat.v1.global_variables() + tf.compat.v1.local_variables())
-    derived, chief_owned = set(), set(shared_variables)
+    derived = set()
+    chief_owned = set(shared_variables) if ctx.shared_variables_on_chief else set()
     for storage in result.storage.values():
         for part in storage.parts:
             if part.origin is not None:
@@ -194,16 +196,18 @@ def _stitched_handle(variable: CompiledVariable, parts: list, replica: int,
 class _Synchronized:
     """What the synchronizers produced for the update stage."""
 
-    updates: list          # (reduced gradient, stored copy) this node applies
-    proxy_parts: list      # PS parts whose replicas read proxies
-    sent: list             # ops sending this node's gradients to other nodes
-    staleness: int         # largest staleness bound among PS parts
+    ps_updates: list = dataclasses.field(default_factory=list)   # (mean gradient, shared copy)
+    ar_updates: list = dataclasses.field(default_factory=list)   # (mean gradient, local copy)
+    proxy_parts: list = dataclasses.field(default_factory=list)  # PS parts read through proxies
+    sent: list = dataclasses.field(default_factory=list)     # ops sending gradients to PS nodes
+    stashed: list = dataclasses.field(default_factory=list)  # split step: ops keeping them
+    staleness: int = 0     # largest staleness bound among PS parts
 
 
 def _synchronize(result: DistributedGraph) -> _Synchronized:
     """Cuts gradients per part and reduces them per each part's synchronizer."""
     item, ctx = result.item, result.ctx
-    out = _Synchronized([], [], [], 0)
+    out = _Synchronized()
     groups = {}
     for name, storage in result.storage.items():
         ref = item.gradients.get(name)
@@ -227,20 +231,24 @@ def _synchronize(result: DistributedGraph) -> _Synchronized:
             if part_storage.readers[0] is not part_storage.copies[0]:
                 out.proxy_parts.append(part_storage)
             if not ctx.multi_node:
-                out.updates.append((reduce_ps_gradients(grads, sync, ctx), part_storage.copies[0]))
+                out.ps_updates.append((reduce_ps_gradients(grads, sync, ctx),
+                                       part_storage.copies[0]))
                 continue
-            sent, mean = accumulate_across_nodes(
-                part.name, node_contribution(grads, sync, ctx), part.shape, sync, ctx)
+            contribution = node_contribution(grads, sync, ctx)
+            if ctx.split_step:
+                store, contribution = stash(part.name, contribution, ctx)
+                out.stashed.append(store)
+            sent, mean = accumulate_across_nodes(part.name, contribution, part.shape, sync, ctx)
             out.sent.append(sent)
             if mean is not None:
-                out.updates.append((mean, part_storage.copies[0]))
+                out.ps_updates.append((mean, part_storage.copies[0]))
     keys = CollectiveKeys()
     for group in sorted(groups):
         members = groups[group]
         reduced = all_reduce_group([(p.part.name, g) for p, g in members],
                                    members[0][0].part.synchronizer, keys, ctx)
         for (part_storage, _), grads in zip(members, reduced):
-            out.updates.extend(zip(grads, part_storage.copies))
+            out.ar_updates.extend(zip(grads, part_storage.copies))
     return out
 
 
@@ -267,12 +275,17 @@ def _register_shared_variables(item: GraphItem) -> dict:
 
 
 def _apply_updates(item: GraphItem, sync: _Synchronized, shared_variables: dict,
-                   ctx: KernelContext) -> tf.Operation:
+                   ctx: KernelContext) -> tuple:
     """Runs the user's optimizer on this node's copies, keeps nodes in step, refreshes proxies.
 
-    On a cluster the chief alone updates the PS variables (and the global step),
-    then hands every worker a token; a worker waits for its token before its
-    step ends, so its next step reads the updated values.
+    On a cluster the chief alone updates the PS variables, then hands every
+    worker a token; a worker waits for its token before its step ends, so its
+    next step reads the updated values. A split step does the local part (the
+    collectives, the AllReduce updates, stashing PS gradients) in its first run
+    and the PS traffic in its second.
+
+    Returns:
+        (the train op, the op of a split step's second run or None)
     """
     graph = tf.compat.v1.get_default_graph()
     call = item.optimizer_call
@@ -284,12 +297,30 @@ def _apply_updates(item: GraphItem, sync: _Synchronized, shared_variables: dict,
             return shared_variables[value.op.name].read_value()
         return graph.get_tensor_by_name(value.name)
 
-    steps = list(sync.sent)
-    if sync.updates:
+    def apply(updates, count_step):
+        # A fresh copy per call: each keeps its own non-slot state (Adam's powers).
         optimizer = _tf_compat.optimizer_for_graph(call.optimizer, translate)
-        global_step = (None if call.global_step is None or not ctx.is_chief
-                       else shared_variables[call.global_step.op.name])
-        steps.append(optimizer.apply_gradients(sync.updates, global_step=global_step))
+        global_step = (shared_variables[call.global_step.op.name]
+                       if count_step and call.global_step is not None else None)
+        return optimizer.apply_gradients(updates, global_step=global_step)
+
+    # One global step on the chief, or one per node counting in step with the others.
+    counts_step = ctx.is_chief or not ctx.shared_variables_on_chief
+    if not ctx.split_step:
+        updates = sync.ps_updates + sync.ar_updates
+        steps = list(sync.sent) + ([apply(updates, counts_step)] if updates else [])
+        return _end_step(steps, sync, ctx, "autodist_train_op"), None
+    local = [apply(sync.ar_updates, counts_step)] if sync.ar_updates else []
+    first = tf.group(*sync.stashed, *local, name="autodist_train_op")
+    steps = list(sync.sent)
+    if sync.ps_updates:
+        with tf.control_dependencies(sync.sent):
+            steps.append(apply(sync.ps_updates, False))
+    return first, _end_step(steps, sync, ctx, "autodist_ps_step")
+
+
+def _end_step(steps: list, sync: _Synchronized, ctx: KernelContext, name: str) -> tf.Operation:
+    """After ``steps``: the chief's tokens to the workers (or a worker's wait), proxy refresh."""
     if ctx.multi_node and (sync.sent or sync.proxy_parts):
         with tf.control_dependencies(steps):
             if ctx.is_chief:
@@ -298,13 +329,13 @@ def _apply_updates(item: GraphItem, sync: _Synchronized, shared_variables: dict,
             else:
                 steps = [token_queue(ctx.node_index, ctx).dequeue()]
     if not sync.proxy_parts:
-        return tf.group(*steps, name="autodist_train_op")
-    with tf.control_dependencies(steps):
+        return tf.group(*steps, name=name)
+    with tf.control_dependencies(steps), tf.device(ctx.shared_device):
         counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="autodist_step")
         step = counter.assign_add(1)
         refreshes = [refresh_proxies(p.copies[0], p.readers, p.part.synchronizer.staleness, step)
                      for p in sync.proxy_parts]
-    return tf.group(*steps, *refreshes, name="autodist_train_op")
+    return tf.group(*steps, *refreshes, name=name)
 
 
 def _reconnect(result: DistributedGraph, deferred: list) -> None:

@@ -84,27 +84,7 @@ def compile_strategy(strategy: Strategy, graph_item: GraphItem,
     compiled = {}
     for info in graph_item.trainable_variables:
         compiled[info.name] = _compile_variable(configs[info.name], info, devices, strategy.id)
-    if len(resource_spec.nodes) > 1:
-        _check_cluster_synchronizers(compiled, strategy.id)
     return CompiledStrategy(strategy=strategy, variables=compiled)
-
-
-def _check_cluster_synchronizers(compiled: dict, strategy_id: str) -> None:
-    """Refuses PS and AllReduce parts in one multi-node job, which TF cannot run yet.
-
-    TensorFlow gives every node's step the same id when it runs collectives, and
-    the end of one node's step then aborts another node's PS traffic.
-    """
-    kinds = {name: {part.is_ps for part in var.parts} for name, var in compiled.items()
-             if var.info.has_grad}
-    ps = sorted(name for name, k in kinds.items() if True in k)
-    all_reduce = sorted(name for name, k in kinds.items() if False in k)
-    if ps and all_reduce:
-        raise StrategyError(
-            f"Strategy {strategy_id} mixes PS variables ({ps[:3]}...) and AllReduce "
-            f"variables ({all_reduce[:3]}...) on several nodes, which AutoDist does not "
-            "support yet; use one synchronizer kind per multi-node job (e.g. PS, "
-            "PartitionedPS or AllReduce rather than Parallax).")
 
 
 def _compile_variable(node, info: VariableInfo, devices: set, strategy_id: str):
