@@ -6,6 +6,7 @@ chief launches the workers through their launch prefixes.
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -121,4 +122,48 @@ def test_unseeded_keras_model_starts_from_the_chiefs_values(two_nodes):
     assert sorted(by_step) == [0, 1, 2, 3]
     for step, values in by_step.items():
         assert len(values) == 2 and values[0] == values[1], (step, values)
+    _assert_no_job_left()
+
+
+@pytest.mark.timeout(180)
+def test_a_node_that_cannot_be_started_is_named(two_nodes, tmp_path):
+    """A launch that fails (here: a namespace that does not exist) is an error, not a hang."""
+    cluster, spec = two_nodes
+    import yaml
+    broken = yaml.safe_load(open(spec))
+    broken["nodes"][1]["launch_prefix"] = ["ip", "netns", "exec", "adt-no-such-host"]
+    broken_spec = tmp_path / "broken.yml"
+    broken_spec.write_text(yaml.safe_dump(broken))
+    start = time.monotonic()
+    done = _run_job(cluster, str(broken_spec), "PS", tmp_path / "v.npz")
+    assert done.returncode != 0
+    assert "WorkerFailedError" in done.stderr and cluster.hosts[1].address in done.stderr
+    assert time.monotonic() - start < 90
+    _assert_no_job_left()
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_on_the_chief_stops_every_worker(two_nodes, tmp_path):
+    cluster, spec = two_nodes
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    chief = subprocess.Popen([*cluster.hosts[0].launch_prefix, sys.executable, "-u", JOB, spec,
+                              "AllReduce", str(tmp_path / "v.npz"), "--steps", "100000"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        # Wait until both nodes train, then interrupt the chief as Ctrl-C would.
+        seen = set()
+        deadline = time.monotonic() + 120
+        while len(seen) < 2 and time.monotonic() < deadline:
+            line = chief.stdout.readline()
+            match = re.match(r"node (\d) step", line)
+            if match:
+                seen.add(match.group(1))
+        assert seen == {"0", "1"}
+        chief.send_signal(signal.SIGINT)
+        chief.wait(timeout=60)
+    finally:
+        if chief.poll() is None:
+            chief.kill()
+    assert chief.returncode != 0
+    time.sleep(1)
     _assert_no_job_left()
