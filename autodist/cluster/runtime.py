@@ -179,6 +179,8 @@ class ChiefCoordinator:
         """
         with self._lock:
             workers, self._workers = self._workers, []
+        # Workers stay up (their servers hold variables) until the service stops.
+        self._server.stop()
         if not self._failed:
             deadline = time.monotonic() + WORKER_EXIT_GRACE_S
             for worker in workers:
@@ -187,7 +189,6 @@ class ChiefCoordinator:
                 except subprocess.TimeoutExpired:
                     break
         launcher.stop_all(workers)
-        self._server.stop()
 
     def _watch_uncaught_errors(self) -> None:
         """Notes an error ending the chief, so shutdown does not wait for the workers."""
@@ -219,8 +220,11 @@ class WorkerAgent:
         self._client.report_failed(message)
 
     def close(self) -> None:
+        """Reports done, then stays until the chief's job is over: variables placed on
+        this node's server must outlive the chief's last reads of them."""
         try:
             self._client.report_done()
+            self._client.wait_until_chief_gone()
         except ServiceError:
             pass
         self._client.close()

@@ -514,6 +514,16 @@ class StrategyClient:
                     return
             self._stop_heartbeat.wait(interval)
 
+    def wait_until_chief_gone(self, poll: float = 0.5) -> None:
+        """Returns once the chief's service stops answering (its job is over)."""
+        request = service_pb2.HeartbeatRequest(node=self._node)
+        while True:
+            try:
+                self._call("Heartbeat", request, timeout=max(poll, 1.0), wait_for_ready=False)
+            except ServiceError:
+                return
+            time.sleep(poll)
+
     def close(self) -> None:
         """Stops the heartbeat and closes the channel. Idempotent."""
         self._stop_heartbeat.set()
