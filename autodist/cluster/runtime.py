@@ -17,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Optional
 
 import tensorflow as tf
 
