@@ -1,8 +1,9 @@
 """Every use of TensorFlow's private API lives here, so an upgrade touches one file.
 
-The two things AutoDist needs that TensorFlow exposes no public hook for:
-capturing what a ``tf.compat.v1`` optimizer is asked to apply, and re-using that
-optimizer's hyper-parameters in the rewritten graph.
+What AutoDist needs that TensorFlow exposes no public hook for: capturing what a
+``tf.compat.v1`` optimizer is asked to apply, re-using that optimizer's
+hyper-parameters (and finding its non-slot state) in the rewritten graph, a fast
+graph import, and checkpoint entries whose saved value and restore are custom.
 """
 from __future__ import annotations
 
@@ -77,6 +78,35 @@ def optimizer_for_graph(optimizer: _V1Optimizer,
         elif isinstance(value, (tf.Tensor, tf.Variable)):
             setattr(clone, attr, translate(value))
     return clone
+
+
+def optimizer_non_slot_variables(optimizer: _V1Optimizer, graph: tf.Graph) -> dict:
+    """The optimizer's variables that belong to no slot (Adam's beta powers) in ``graph``.
+
+    Returns:
+        dict mapping the optimizer's own name for each (e.g. ``"beta1_power"``)
+        to the variable
+    """
+    table = optimizer._non_slot_dict  # pylint: disable=protected-access
+    return {name: variable for (name, owner), variable in table.items() if owner is graph}
+
+
+def checkpoint_entry(name: str, value: tf.Tensor, restore: Callable[[tf.Tensor], tf.Operation]):
+    """An entry for ``tf.compat.v1.train.Saver``'s ``var_list``.
+
+    Args:
+        name: the name in the checkpoint.
+        value: what is saved under it.
+        restore: builds the op that assigns a restored tensor wherever it belongs.
+    """
+    from tensorflow.python.training.saving import saveable_object
+
+    class _Entry(saveable_object.SaveableObject):
+        def restore(self, restored_tensors, restored_shapes):
+            return restore(restored_tensors[0])
+
+    spec = saveable_object.SaveSpec(value, "", name, dtype=value.dtype)
+    return _Entry(value, [spec], name)
 
 
 def variable_from_graph(variable: tf.Variable, graph: tf.Graph) -> tf.Variable:

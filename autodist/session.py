@@ -104,6 +104,16 @@ class DistributedSession:
         """The distributed graph this session runs."""
         return self._graph
 
+    @property
+    def distributed(self) -> DistributedGraph:
+        """The rewritten graph and where every original variable lives in it."""
+        return self._distributed
+
+    @property
+    def tf_session(self) -> tf.compat.v1.Session:
+        """The plain session on the distributed graph (for AutoDist's own ops)."""
+        return self._session
+
     def run(self, fetches, feed_dict=None, options=None, run_metadata=None):
         """Like ``tf.compat.v1.Session.run``, on the original graph's elements."""
         mapped = tf.nest.map_structure(self._map_fetch, fetches)
@@ -168,12 +178,16 @@ class DistributedSession:
         return [self._graph.get_tensor_by_name(name)]
 
 
+def as_tf_variable(element):
+    """The ``tf.Variable`` behind a Keras 3 variable; anything else unchanged."""
+    value = getattr(element, "value", None)
+    return value if isinstance(value, tf.Variable) else element
+
+
 def _element_name(element) -> str:
     if isinstance(element, str):
         return element
-    value = getattr(element, "value", None)  # a Keras 3 variable wraps a tf.Variable
-    if isinstance(value, tf.Variable):
-        element = value
+    element = as_tf_variable(element)
     if isinstance(element, tf.Variable):
         return _tf_compat.graph_element_name(element)
     return element.name

@@ -6,6 +6,7 @@ training must equal single-device training on the whole global batch, which
 ``reference`` computes.
 
     python cluster_job.py SPEC BUILDER OUT [--steps N] [--die-at STEP] [--mismatch]
+                          [--restore CHECKPOINT] [--save CHECKPOINT]
 """
 import argparse
 import os
@@ -63,6 +64,7 @@ def reference(num_replicas: int, steps: int) -> list:
 
 def main() -> None:
     from autodist import AutoDist
+    from autodist.checkpoint import Saver
     from autodist.cluster.runtime import ordered_nodes
     from autodist.strategy import get_builder
 
@@ -73,6 +75,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--die-at", type=int, default=-1, help="a worker kills itself at this step")
     parser.add_argument("--mismatch", action="store_true", help="workers build another graph")
+    parser.add_argument("--restore", help="checkpoint to start from")
+    parser.add_argument("--save", help="checkpoint to write after training")
     args = parser.parse_args()
 
     ad = AutoDist(args.spec, get_builder(args.builder))
@@ -85,7 +89,10 @@ def main() -> None:
     with tf.Graph().as_default(), ad.scope():
         inputs, loss, train, variables = build_model(extra_op=args.mismatch and not ad.is_chief)
         feeds = {t: batch[rows] for t, batch in zip(inputs, global_batch(len(replicas)))}
+        saver = Saver()
         sess = ad.create_distributed_session()
+        if args.restore:
+            saver.restore(sess, args.restore)
         for step in range(args.steps):
             if step == args.die_at and not ad.is_chief:
                 print(f"node {ad.node_index} dies at {time.time():.3f}", flush=True)
@@ -93,6 +100,8 @@ def main() -> None:
             value, _ = sess.run([loss, train], feeds)
             print(f"node {ad.node_index} step {step} loss {value:.6f}", flush=True)
         values = sess.run(variables)
+        if args.save:
+            saver.save(sess, args.save)
     if ad.is_chief:
         np.savez(args.out, *values)
 

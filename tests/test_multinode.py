@@ -78,6 +78,30 @@ def test_cluster_training_equals_single_device(request, tmp_path, cluster_name, 
     _assert_no_job_left()
 
 
+@pytest.mark.timeout(300)
+def test_checkpoint_of_a_cluster_job_resumes_under_another_strategy(three_nodes, tmp_path):
+    """Parallax on 3 nodes saves; plain TF restores it; AllReduce resumes from it."""
+    import tensorflow as tf
+    cluster, spec = three_nodes
+    checkpoint = str(tmp_path / "ckpt" / "model")
+    first = _run_job(cluster, spec, "Parallax", tmp_path / "first.npz", "--save", checkpoint)
+    assert first.returncode == 0, first.stderr[-3000:]
+    reader = tf.train.load_checkpoint(checkpoint)
+    trained = np.load(tmp_path / "first.npz")
+    for i, name in enumerate(["embedding", "w1", "w2"]):
+        np.testing.assert_array_equal(reader.get_tensor(name), trained[f"arr_{i}"])
+    assert reader.get_tensor("global_step") == STEPS
+    assert {"embedding/Adam", "w1/Adam_1", "beta1_power"} <= set(reader.get_variable_to_shape_map())
+
+    second = _run_job(cluster, spec, "AllReduce", tmp_path / "second.npz", "--restore", checkpoint)
+    assert second.returncode == 0, second.stderr[-3000:]
+    want = cluster_job.reference(sum(h.num_cpus for h in cluster.hosts), 2 * STEPS)
+    got = np.load(tmp_path / "second.npz")
+    for i, expected in enumerate(want):
+        np.testing.assert_allclose(got[f"arr_{i}"], expected, rtol=1e-5, atol=1e-5)
+    _assert_no_job_left()
+
+
 @pytest.mark.timeout(240)
 def test_a_killed_worker_is_reported_by_name(two_nodes, tmp_path):
     cluster, spec = two_nodes

@@ -133,12 +133,17 @@ def accumulate_across_nodes(name: str, contribution, shape: tuple, sync,
     return apply, mean
 
 
-def token_queue(worker: int, ctx: KernelContext) -> tf.queue.FIFOQueue:
-    """The queue through which the chief lets worker ``worker`` start its next step."""
+def token_queue(worker: int, ctx: KernelContext, purpose: str = "sync_token"
+                ) -> tf.queue.FIFOQueue:
+    """The queue through which the chief lets worker ``worker`` go on.
+
+    With the default ``purpose``, the worker's next step waits for a token; other
+    purposes (e.g. a finished restore) get queues of their own.
+    """
+    name = f"autodist_{purpose}_{worker}"
     with tf.device(ctx.chief_device):
         return tf.queue.FIFOQueue(capacity=-1, dtypes=[tf.int64], shapes=[[]],
-                                  shared_name=f"autodist_sync_token_{worker}",
-                                  name=f"autodist_sync_token_{worker}")
+                                  shared_name=name, name=name)
 
 
 def stash(name: str, contribution, ctx: KernelContext):

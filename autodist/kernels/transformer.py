@@ -83,6 +83,8 @@ class DistributedGraph:
     item: GraphItem
     ctx: KernelContext
     storage: dict
+    shared_variables: dict = dataclasses.field(default_factory=dict)  # name -> non-trainable
+    optimizers: list = dataclasses.field(default_factory=list)  # the copies applying updates
     train_op: Optional[tf.Operation] = None
     ps_step_op: Optional[tf.Operation] = None  # a split step's second run, after train_op's
     init_ops: tuple = ()
@@ -111,13 +113,14 @@ def transform(item: GraphItem, compiled: CompiledStrategy, ctx: KernelContext) -
     deferred = []
     with result.graph.as_default():
         replicator.import_shared(item, ctx, deferred)
-        shared_variables = _register_shared_variables(item)
+        result.shared_variables = shared_variables = _register_shared_variables(item)
         for name, variable in compiled.variables.items():
             result.storage[name] = _create_storage(item, variable, ctx)
         replicator.replicate(item, ctx, {n: s.handles for n, s in result.storage.items()},
                              deferred)
         sync = _synchronize(result)
-        result.train_op, result.ps_step_op = _apply_updates(item, sync, shared_variables, ctx)
+        result.train_op, result.ps_step_op = _apply_updates(item, sync, shared_variables, ctx,
+                                                            result.optimizers)
         _reconnect(result, deferred)
         _plan_initialization(result, list(shared_variables.values()), sync.staleness)
     return result
@@ -275,7 +278,7 @@ def _register_shared_variables(item: GraphItem) -> dict:
 
 
 def _apply_updates(item: GraphItem, sync: _Synchronized, shared_variables: dict,
-                   ctx: KernelContext) -> tuple:
+                   ctx: KernelContext, optimizers: list) -> tuple:
     """Runs the user's optimizer on this node's copies, keeps nodes in step, refreshes proxies.
 
     On a cluster the chief alone updates the PS variables, then hands every
@@ -283,6 +286,10 @@ def _apply_updates(item: GraphItem, sync: _Synchronized, shared_variables: dict,
     next step reads the updated values. A split step does the local part (the
     collectives, the AllReduce updates, stashing PS gradients) in its first run
     and the PS traffic in its second.
+
+    Args:
+        optimizers: receives every optimizer copy applying updates (their slots
+            are the checkpoint's).
 
     Returns:
         (the train op, the op of a split step's second run or None)
@@ -300,6 +307,7 @@ def _apply_updates(item: GraphItem, sync: _Synchronized, shared_variables: dict,
     def apply(updates, count_step):
         # A fresh copy per call: each keeps its own non-slot state (Adam's powers).
         optimizer = _tf_compat.optimizer_for_graph(call.optimizer, translate)
+        optimizers.append(optimizer)
         global_step = (shared_variables[call.global_step.op.name]
                        if count_step and call.global_step is not None else None)
         return optimizer.apply_gradients(updates, global_step=global_step)

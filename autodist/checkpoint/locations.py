@@ -1,0 +1,129 @@
+"""Where each variable of the single-device graph lives in one node's distributed graph.
+
+A checkpoint names the original variables; the distributed graph holds parts,
+replicated copies, proxies and the slots of several optimizer copies. This
+module maps the one onto the other: for every original variable, the value to
+save (the full, synchronized one) and the variables a restore assigns on this
+node.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, List, Optional
+
+import tensorflow as tf
+
+from autodist import _tf_compat
+from autodist.kernels import partitioner
+from autodist.kernels.transformer import DistributedGraph, VariableStorage
+
+
+@dataclasses.dataclass
+class Location:
+    """One original variable in the distributed graph.
+
+    Attributes:
+        value: builds the full value to save, or None where this node cannot read
+            it (a worker has no slots of the PS variables).
+        parts: per part of the variable, the variables on this node that a
+            restore assigns that part's slice to.
+        plan: how the variable is cut, or None when it is whole.
+    """
+
+    value: Optional[Callable[[], tf.Tensor]]
+    parts: List[list]
+    plan: Optional[partitioner.PartitionPlan] = None
+
+    def restore(self, full_value: tf.Tensor) -> tf.Operation:
+        """Assigns ``full_value`` (the original layout) to every target."""
+        slices = ([full_value] if self.plan is None
+                  else partitioner.split_value(full_value, self.plan))
+        return tf.group(*[target.assign(piece) for piece, targets in zip(slices, self.parts)
+                          for target in targets])
+
+
+class Locator:
+    """Finds the :class:`Location` of original variables in ``distributed``.
+
+    On a cluster every node restores what lives on it, the chief also the PS
+    variables and the shared non-trainables; only the chief saves.
+    """
+
+    def __init__(self, distributed: DistributedGraph):
+        self._distributed = distributed
+        item = distributed.item
+        optimizer = item.optimizer_call.optimizer
+        self._slot_of = {}  # original slot variable name -> (variable name, slot name)
+        for name, variable in item.variables.items():
+            for slot_name in optimizer.get_slot_names():
+                slot = optimizer.get_slot(variable, slot_name)
+                if slot is not None:
+                    self._slot_of[slot.op.name] = (name, slot_name)
+        self._non_slot_of = {
+            variable.op.name: key
+            for key, variable in _tf_compat.optimizer_non_slot_variables(optimizer,
+                                                                         item.graph).items()}
+
+    def find(self, name: str) -> Optional[Location]:
+        """The location of the original variable ``name``, or None when it has none."""
+        distributed = self._distributed
+        if name in distributed.storage:
+            return self._trainable(distributed.storage[name])
+        if name in self._slot_of:
+            variable, slot_name = self._slot_of[name]
+            return self._slot(distributed.storage[variable], slot_name)
+        if name in self._non_slot_of:
+            return self._non_slot(self._non_slot_of[name])
+        if name in distributed.shared_variables:
+            variable = distributed.shared_variables[name]
+            owned = not (distributed.ctx.shared_variables_on_chief and not distributed.ctx.is_chief)
+            return Location(variable.read_value, [[variable] if owned else []])
+        return None
+
+    def _trainable(self, storage: VariableStorage) -> Location:
+        parts = []
+        for part in storage.parts:
+            targets = _unique(part.copies + part.readers)
+            if part.part.is_ps and not self._distributed.ctx.is_chief:
+                targets = [t for t in targets if t is not part.copies[0]]
+            parts.append(targets)
+        return Location(storage.full_value, parts, storage.compiled.plan)
+
+    def _slot(self, storage: VariableStorage, slot_name: str) -> Location:
+        parts, firsts = [], []
+        for part in storage.parts:
+            copies = part.copies[:1] if part.part.is_ps else part.copies
+            slots = [self._slot_variable(copy, slot_name) for copy in copies]
+            firsts.append(slots[0])
+            parts.append([s for s in slots if s is not None])
+        def value():
+            with tf.device(storage.device):
+                reads = [s.read_value() for s in firsts]
+                return reads[0] if storage.compiled.plan is None else partitioner.stitch(
+                    reads, storage.compiled.plan)
+        readable = all(s is not None for s in firsts)
+        return Location(value if readable else None, parts, storage.compiled.plan)
+
+    def _slot_variable(self, copy: tf.Variable, slot_name: str) -> Optional[tf.Variable]:
+        for optimizer in self._distributed.optimizers:
+            slot = optimizer.get_slot(copy, slot_name)
+            if slot is not None:
+                return slot
+        return None
+
+    def _non_slot(self, key: str) -> Location:
+        graph = self._distributed.graph
+        copies = [variables[key] for variables in (
+            _tf_compat.optimizer_non_slot_variables(o, graph) for o in self._distributed.optimizers)
+            if key in variables]
+        value = copies[0].read_value if copies else None
+        return Location(value, [copies])
+
+
+def _unique(variables: list) -> list:
+    seen, result = set(), []
+    for variable in variables:
+        if id(variable) not in seen:
+            seen.add(id(variable))
+            result.append(variable)
+    return result

@@ -1,0 +1,225 @@
+"""Saver: checkpoints in the single-device layout, whatever the strategy.
+
+A checkpoint holds the original variables under their original names and full
+shapes: partitions stitched, one copy of replicated variables, the optimizer's
+slots under the names the single-device graph gives them. So a checkpoint of
+plain TensorFlow restores under any strategy, and one written under any
+strategy restores in plain TensorFlow or under another strategy.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+import tensorflow as tf
+
+from autodist import _tf_compat
+from autodist.checkpoint.locations import Locator
+from autodist.checkpoint.single_device import single_device_copy
+from autodist.kernels.ps_synchronizer import token_queue
+from autodist.session import DistributedSession, as_tf_variable
+
+RESTORE_TIMEOUT_S = 300.0
+_RESTORED = "restored"
+
+
+@dataclasses.dataclass
+class _Bound:
+    """The saver's ops in one distributed graph."""
+
+    saver: tf.compat.v1.train.Saver
+    shapes: dict            # checkpoint name -> full shape
+    release: list           # chief: lets every worker go on after a restore
+    wait: Optional[tf.Operation] = None  # worker: waits for the chief's restore
+
+
+class Saver:
+    """``tf.compat.v1.train.Saver`` for AutoDist sessions, writing the single-device layout.
+
+    Create it inside ``ad.scope()`` after the optimizer (so its slots exist), and
+    hand it the session of ``ad.create_distributed_session()``.
+
+    Note:
+        On a cluster only the chief writes checkpoints; every node must call
+        ``restore`` (the same script runs everywhere) and reads ``save_path``
+        itself, so the path must be readable on every node (a shared file
+        system). A worker's ``restore`` returns once the chief's has finished.
+
+    Args:
+        var_list: the variables to save, as a list (saved under their names) or a
+            dict of checkpoint name -> variable; by default every global variable
+            of the graph, optimizer slots included.
+        max_to_keep: how many recent checkpoints to keep.
+        keep_checkpoint_every_n_hours: also keep one checkpoint per this many hours.
+        pad_step_number: zero-pad the step number in checkpoint names.
+        save_relative_paths: write relative paths in the ``checkpoint`` file.
+    """
+
+    def __init__(self, var_list=None, max_to_keep: int = 5,
+                 keep_checkpoint_every_n_hours: float = 10000.0, pad_step_number: bool = False,
+                 save_relative_paths: bool = False):
+        self._graph = tf.compat.v1.get_default_graph()
+        if var_list is None:
+            var_list = tf.compat.v1.global_variables()
+        if isinstance(var_list, dict):
+            pairs = [(key, as_tf_variable(v)) for key, v in var_list.items()]
+        else:
+            pairs = [(v.op.name, v) for v in map(as_tf_variable, var_list)]
+        self._names = {key: variable.op.name for key, variable in pairs}
+        self._shapes = {key: tuple(variable.shape.as_list()) for key, variable in pairs}
+        self._dtypes = {key: variable.dtype.base_dtype for key, variable in pairs}
+        self._options = dict(max_to_keep=max_to_keep, pad_step_number=pad_step_number,
+                             keep_checkpoint_every_n_hours=keep_checkpoint_every_n_hours,
+                             save_relative_paths=save_relative_paths)
+        self._bound = {}
+        self._meta_graph = None
+
+    @property
+    def names(self) -> dict:
+        """Checkpoint name -> op name of the variable in the single-device graph."""
+        return dict(self._names)
+
+    @property
+    def last_checkpoints(self) -> list:
+        """Paths of the checkpoints still kept, oldest first (this process's saves)."""
+        bound = list(self._bound.values())
+        return bound[-1].saver.last_checkpoints if bound else []
+
+    def save(self, sess: DistributedSession, save_path: str, global_step=None,
+             latest_filename: Optional[str] = None, meta_graph_suffix: str = "meta",
+             write_meta_graph: bool = True, write_state: bool = True) -> Optional[str]:
+        """Writes a checkpoint of the variables (on the chief; elsewhere does nothing).
+
+        Args:
+            sess: the AutoDist session.
+            save_path: the checkpoint's path prefix.
+            global_step: a number, or a tensor or variable of the graph, appended
+                to ``save_path``.
+            latest_filename: name of the state file (default ``checkpoint``).
+            meta_graph_suffix: suffix of the meta graph file.
+            write_meta_graph: also write the single-device graph's MetaGraphDef,
+                restorable with ``tf.compat.v1.train.import_meta_graph``.
+            write_state: record the checkpoint in the state file.
+
+        Returns:
+            the checkpoint's path prefix, or None on a node other than the chief.
+        """
+        bound = self._bind(sess)
+        if not sess.distributed.ctx.is_chief:
+            return None
+        if global_step is not None and not isinstance(global_step, (int, np.integer)):
+            global_step = int(sess.run(global_step))
+        # TensorFlow writes the files under temporary names and renames them when
+        # complete; the state file is rewritten (atomically) only after that, so
+        # an interrupted save leaves the state pointing at the previous checkpoint.
+        path = bound.saver.save(sess.tf_session, save_path, global_step=global_step,
+                                latest_filename=latest_filename,
+                                meta_graph_suffix=meta_graph_suffix, write_meta_graph=False,
+                                write_state=write_state)
+        if write_meta_graph:
+            with tf.io.gfile.GFile(f"{path}.{meta_graph_suffix}", "wb") as meta_file:
+                meta_file.write(self._single_device_meta_graph().SerializeToString())
+        return path
+
+    def restore(self, sess: DistributedSession, save_path: str,
+                timeout: float = RESTORE_TIMEOUT_S) -> None:
+        """Restores the variables from a checkpoint in the single-device layout.
+
+        Args:
+            sess: the AutoDist session.
+            save_path: the checkpoint's path prefix (e.g. from ``latest_checkpoint``).
+            timeout: how long a worker waits for the chief's restore, in seconds.
+
+        Raises:
+            ValueError: when there is no checkpoint at ``save_path`` or it lacks a
+                variable or holds it in another shape.
+            TimeoutError: when, on a worker, the chief does not restore in time.
+        """
+        if save_path is None:
+            raise ValueError("autodist.checkpoint.Saver.restore: save_path is None; "
+                             "is there a checkpoint (latest_checkpoint returned None)?")
+        bound = self._bind(sess)
+        _check_checkpoint(save_path, bound.shapes)
+        bound.saver.restore(sess.tf_session, save_path)
+        if bound.release:
+            sess.tf_session.run(bound.release)
+        if bound.wait is not None:
+            try:
+                sess.tf_session.run(bound.wait, options=tf.compat.v1.RunOptions(
+                    timeout_in_ms=int(timeout * 1000)))
+            except tf.errors.DeadlineExceededError:
+                raise TimeoutError(f"The chief did not restore '{save_path}' within "
+                                   f"{timeout:.0f} s; does it call restore too?") from None
+
+    def _bind(self, sess: DistributedSession) -> _Bound:
+        """This saver's ops in the session's distributed graph, built on first use."""
+        if not isinstance(sess, DistributedSession):
+            raise TypeError(
+                f"autodist.checkpoint.Saver needs the session of "
+                f"ad.create_distributed_session(), not a {type(sess).__name__}; use "
+                "tf.compat.v1.train.Saver for a plain session.")
+        distributed = sess.distributed
+        if distributed.item.graph is not self._graph:
+            raise ValueError("autodist.checkpoint.Saver: the session runs another graph than "
+                             "the one the saver was created in.")
+        if distributed.graph not in self._bound:
+            self._bound[distributed.graph] = self._build(distributed)
+        return self._bound[distributed.graph]
+
+    def _build(self, distributed) -> _Bound:
+        ctx, locator = distributed.ctx, Locator(distributed)
+        entries, unknown = [], []
+        with distributed.graph.as_default(), tf.device(ctx.shared_device):
+            for key, name in self._names.items():
+                location = locator.find(name)
+                if location is None:
+                    unknown.append(name)
+                    continue
+                # Only the chief saves; elsewhere the entry needs a tensor of the
+                # right shape and type that no run evaluates.
+                value = (location.value() if ctx.is_chief and location.value is not None
+                         else tf.zeros(self._shapes[key], self._dtypes[key]))
+                entries.append(_tf_compat.checkpoint_entry(key, value, location.restore))
+            if unknown:
+                raise ValueError(
+                    f"autodist.checkpoint.Saver: {sorted(unknown)} have no counterpart in the "
+                    "distributed graph (created after the session, or not part of the model).")
+            saver = tf.compat.v1.train.Saver(entries, **self._options)
+            release, wait = [], None
+            if ctx.multi_node and ctx.is_chief:
+                release = [token_queue(w, ctx, _RESTORED).enqueue(tf.constant(0, tf.int64))
+                           for w in range(1, ctx.num_nodes)]
+            elif ctx.multi_node:
+                wait = token_queue(ctx.node_index, ctx, _RESTORED).dequeue().op
+        return _Bound(saver, dict(self._shapes), release, wait)
+
+    def _single_device_meta_graph(self):
+        if self._meta_graph is None:
+            copy, saver = single_device_copy(self._graph, self._names)
+            self._meta_graph = tf.compat.v1.train.export_meta_graph(
+                graph=copy, saver_def=saver.as_saver_def(), clear_devices=True)
+        return self._meta_graph
+
+
+def latest_checkpoint(checkpoint_dir: str, latest_filename: Optional[str] = None
+                      ) -> Optional[str]:
+    """The newest complete checkpoint recorded in ``checkpoint_dir``, or None."""
+    return tf.compat.v1.train.latest_checkpoint(checkpoint_dir, latest_filename)
+
+
+def _check_checkpoint(save_path: str, shapes: dict) -> None:
+    try:
+        stored = tf.train.load_checkpoint(save_path).get_variable_to_shape_map()
+    except (tf.errors.NotFoundError, tf.errors.DataLossError, ValueError) as err:
+        raise ValueError(f"autodist.checkpoint.Saver.restore: no readable checkpoint at "
+                         f"'{save_path}' ({err.__class__.__name__}).") from None
+    missing = sorted(key for key in shapes if key not in stored)
+    wrong = sorted(f"{key} {list(stored[key])} (the model has {list(shape)})"
+                   for key, shape in shapes.items()
+                   if key in stored and tuple(stored[key]) != shape)
+    if missing or wrong:
+        raise ValueError(f"Checkpoint '{save_path}' does not fit the model: "
+                         + "; ".join(filter(None, [
+                             f"missing {missing}" if missing else "",
+                             f"other shapes: {', '.join(wrong)}" if wrong else ""])))
