@@ -14,6 +14,7 @@ from autodist.kernels.context import KernelContext
 from autodist.kernels.transformer import transform
 from autodist.resource_spec import DeviceSpec, ResourceSpec
 from autodist.session import DistributedSession
+from autodist.strategy.auto import trial
 from autodist.strategy.base import Strategy, StrategyBuilder
 from autodist.strategy.compiler import CompiledStrategy, compile_strategy
 
@@ -48,7 +49,8 @@ class AutoDist:
 
     def __init__(self, resource_spec_file: str,
                  strategy_builder: Union[StrategyBuilder, Strategy]):
-        self._resource_spec = ResourceSpec(resource_spec_file)
+        # A strategy search runs this script on its own spec.
+        self._resource_spec = ResourceSpec(os.environ.get(trial.SPEC_ENV, resource_spec_file))
         if not isinstance(strategy_builder, (StrategyBuilder, Strategy)):
             raise TypeError(
                 f"AutoDist: strategy_builder must be a StrategyBuilder such as PS() or a "
@@ -57,6 +59,7 @@ class AutoDist:
         self._role = runtime.current_role(self._resource_spec)
         self._optimizer_calls = []
         self._strategy: Optional[Strategy] = None
+        self._trial = trial.TrialSettings.from_env()
 
     @property
     def resource_spec(self) -> ResourceSpec:
@@ -94,12 +97,17 @@ class AutoDist:
             DistributedSession taking the arguments of ``tf.compat.v1.Session.run``.
         """
         item = self._graph_item()
+        capture = os.environ.get(trial.CAPTURE_ENV)
+        if capture and self.is_chief:
+            trial.write_capture(capture, item.trainable_variables, item.fingerprint,
+                                self._resource_spec.source)
+            raise SystemExit(0)
         if len(self._resource_spec.nodes) == 1:
             strategy = self._build_strategy(item)
             compiled = compile_strategy(strategy, item, self._resource_spec)
             ctx = self._kernel_context(compiled, self._local_devices())
             session = DistributedSession(transform(item, compiled, ctx),
-                                         config=self._config(config))
+                                         config=self._config(config), on_step=self._step_timer())
         else:
             strategy, session = self._join_cluster(item, config)
         self._strategy = strategy
@@ -115,6 +123,8 @@ class AutoDist:
         return GraphItem(graph, calls[0] if calls else None)
 
     def _build_strategy(self, item: GraphItem) -> Strategy:
+        if self._trial is not None:
+            return Strategy.load(self._trial.strategy)
         if isinstance(self._builder, Strategy):
             return self._builder
         return self._builder.build(item, self._resource_spec)
@@ -125,7 +135,9 @@ class AutoDist:
         if role.is_chief:
             strategy = self._build_strategy(item)
             compiled = compile_strategy(strategy, item, spec)
-            peer = runtime.ChiefCoordinator(spec, strategy, item.fingerprint)
+            worker_env = {trial.TRIAL_ENV: self._trial.to_env()} if self._trial else {}
+            peer = runtime.ChiefCoordinator(spec, strategy, item.fingerprint,
+                                            worker_env=worker_env)
             peer.start()
             monitor = peer.check_workers
         else:
@@ -141,12 +153,17 @@ class AutoDist:
         server = runtime.start_tf_server(spec, role, node_config)
         ctx = self._kernel_context(compiled, runtime.tf_devices(spec))
         session = DistributedSession(transform(item, compiled, ctx), config=node_config,
-                                     target=server.target, monitor=monitor)
+                                     target=server.target, monitor=monitor,
+                                     on_step=self._step_timer())
         if role.is_chief:
             peer.wait_ready(JOIN_TIMEOUT_S)
         else:
             peer.report_ready()
         return strategy, session
+
+    def _step_timer(self) -> Optional[trial.StepTimer]:
+        """In a strategy search's trial, what times the steps and then ends the job."""
+        return trial.StepTimer(self._trial, self.is_chief) if self._trial else None
 
     def _local_devices(self) -> dict:
         devices = self._resource_spec.cpu_devices + self._resource_spec.replica_devices

@@ -33,10 +33,12 @@ class DistributedSession:
         init_timeout: how long a worker waits for the chief's variables, in seconds.
         monitor: called about twice a second while a step runs; raises to abort
             it (the chief uses it to stop waiting for a dead worker).
+        on_step: called after every run that trains (fetches the train op).
     """
 
     def __init__(self, distributed: DistributedGraph, config=None, target: str = "",
-                 init_timeout: float = 120.0, monitor: Optional[Callable[[], None]] = None):
+                 init_timeout: float = 120.0, monitor: Optional[Callable[[], None]] = None,
+                 on_step: Optional[Callable[[], None]] = None):
         self._distributed = distributed
         self._graph = distributed.graph
         self._cache = {}
@@ -46,6 +48,7 @@ class DistributedSession:
             self._variable_fetches[variable.handle.name] = name
             self._variable_fetches[_tf_compat.graph_element_name(variable)] = name
         self._monitor = monitor
+        self._on_step = on_step
         self._session = self._watched(tf.compat.v1.Session, target=target, graph=self._graph,
                                       config=config)
         self._watched(self._initialize, init_timeout)
@@ -123,10 +126,12 @@ class DistributedSession:
                 feeds[target] = value
         result = self._watched(self._session.run, mapped, feed_dict=feeds, options=options,
                                run_metadata=run_metadata)
+        trained = any(f is self._distributed.train_op for f in tf.nest.flatten(mapped))
         second = self._distributed.ps_step_op
-        if second is not None and any(f is self._distributed.train_op
-                                      for f in tf.nest.flatten(mapped)):
+        if second is not None and trained:
             self._watched(self._session.run, second)
+        if trained and self._on_step is not None:
+            self._on_step()
         return result
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Optional
 
 import tensorflow as tf
 
@@ -113,11 +114,13 @@ class ChiefCoordinator:
         strategy: the strategy every node applies.
         fingerprint: the chief's graph fingerprint.
         heartbeat_timeout: seconds of silence after which a worker counts as dead.
+        worker_env: more environment for the workers' processes.
     """
 
     def __init__(self, spec: ResourceSpec, strategy, fingerprint: str,
-                 heartbeat_timeout: float = 15.0):
+                 heartbeat_timeout: float = 15.0, worker_env: Optional[dict] = None):
         self._spec = spec
+        self._worker_env = dict(worker_env or {})
         self._workers = []
         self._failed = False
         self._lock = threading.Lock()
@@ -133,7 +136,7 @@ class ChiefCoordinator:
         _stop_on_sigterm()
         self._watch_uncaught_errors()
         env = {CHIEF_ENV: self._spec.chief, SERVICE_PORT_ENV: str(port), TOKEN_ENV: self._token,
-               TF_PORT_ENV: str(tf_port())}
+               TF_PORT_ENV: str(tf_port()), **self._worker_env}
         argv = [os.path.abspath(sys.argv[0]), *sys.argv[1:]]
         for address in ordered_nodes(self._spec)[1:]:
             node = self._spec.node(address)

@@ -1,0 +1,216 @@
+"""Trials: the user's own script, run for real under a candidate strategy, timed.
+
+The search drives the script through the environment:
+
+* capture (``AUTODIST_CAPTURE=path``): the script builds its graph as usual;
+  ``create_distributed_session`` writes the trainable variables to ``path`` and
+  ends the process. The search samples strategies for them.
+* trial (``AUTODIST_TRIAL={json}``): the chief applies the given strategy file
+  instead of its builder, and the job runs the script's own training loop, its
+  own feeds included: after ``warmup`` steps it times ``steps`` more, the chief
+  writes the time per step to the result file, and every node ends its process.
+
+A step is a ``run`` fetching the train op. Timing the script's own steps keeps
+what synthetic inputs cannot know: valid ids for embedding lookups, how many
+rows a step touches, the input pipeline's cost.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import List, Optional, Sequence
+
+from autodist.graph_item import VariableInfo
+from autodist.strategy.base import Strategy
+
+CAPTURE_ENV = "AUTODIST_CAPTURE"
+TRIAL_ENV = "AUTODIST_TRIAL"
+SPEC_ENV = "AUTODIST_RESOURCE_SPEC"   # the spec the search runs the script on
+STOP_GRACE_S = 30.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TrialSettings:
+    """What a trial job does, as read from ``AUTODIST_TRIAL``.
+
+    Attributes:
+        strategy: the strategy file the chief applies.
+        result: where the chief writes ``{"seconds_per_step": ...}``.
+        warmup: steps run before timing (at least one: the first step pays for
+            graph optimization and connection set-up).
+        steps: timed steps.
+    """
+
+    strategy: str
+    result: str
+    warmup: int = 3
+    steps: int = 10
+
+    def to_env(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_env(cls) -> Optional["TrialSettings"]:
+        raw = os.environ.get(TRIAL_ENV)
+        return cls(**json.loads(raw)) if raw else None
+
+
+class TrialFinished(SystemExit):
+    """Ends a trial job's process normally once its steps are timed."""
+
+    def __init__(self):
+        super().__init__(0)
+
+
+class StepTimer:
+    """Counts a trial job's steps; after the timed ones, reports and ends the process.
+
+    Args:
+        settings: the trial's settings.
+        is_chief: whether this node writes the result.
+    """
+
+    def __init__(self, settings: TrialSettings, is_chief: bool):
+        self._settings = settings
+        self._is_chief = is_chief
+        self._count = 0
+        self._start = 0.0
+
+    def __call__(self) -> None:
+        """Called after every step."""
+        self._count += 1
+        if self._count == self._settings.warmup:
+            self._start = time.perf_counter()
+        elif self._count == self._settings.warmup + self._settings.steps:
+            seconds = (time.perf_counter() - self._start) / self._settings.steps
+            if self._is_chief:
+                _write_json(self._settings.result, {"seconds_per_step": seconds})
+            raise TrialFinished()
+
+
+def write_capture(path: str, variables: Sequence[VariableInfo], fingerprint: str,
+                  spec_path: str) -> None:
+    """The capture run's output: what the search needs to know of the graph."""
+    _write_json(path, {"fingerprint": fingerprint, "spec": spec_path,
+                       "variables": [dataclasses.asdict(v) for v in variables]})
+
+
+@dataclasses.dataclass(frozen=True)
+class CapturedGraph:
+    """The trainable variables of a script's graph, as builders see a GraphItem."""
+
+    trainable_variables: List[VariableInfo]
+    fingerprint: str
+    spec: str
+
+
+@dataclasses.dataclass(frozen=True)
+class TrialResult:
+    """One trial: seconds per step, or None with the reason it failed."""
+
+    seconds_per_step: Optional[float]
+    error: str = ""
+    wall_seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.seconds_per_step is not None
+
+
+class ScriptRunner:
+    """Runs a training script in capture and trial mode.
+
+    Args:
+        argv: the script and its arguments, e.g. ``["train.py", "--steps", "100"]``;
+            run with this Python.
+        workdir: where strategies, results and logs of the trials go.
+        spec_path: the resource spec the script must use (overrides its own).
+        timeout: seconds a single run may take.
+    """
+
+    def __init__(self, argv: Sequence[str], workdir: str, spec_path: Optional[str] = None,
+                 timeout: float = 600.0):
+        self._argv = list(argv)
+        self._workdir = workdir
+        self._spec_path = spec_path
+        self._timeout = timeout
+        self._runs = 0
+        os.makedirs(workdir, exist_ok=True)
+
+    def capture(self) -> CapturedGraph:
+        """Runs the script until its session would start; returns its variables.
+
+        Raises:
+            RuntimeError: when the script fails or never creates a session.
+        """
+        path = os.path.join(self._workdir, "captured.json")
+        if os.path.exists(path):
+            os.remove(path)
+        code, log = self._run({CAPTURE_ENV: path}, "capture")
+        if not os.path.exists(path):
+            raise RuntimeError(f"Running {self._argv} to read its graph failed (exit code "
+                               f"{code}) before it created a session; see {log}.")
+        with open(path) as source:
+            data = json.load(source)
+        variables = [VariableInfo(**dict(v, shape=tuple(v["shape"]))) for v in data["variables"]]
+        return CapturedGraph(variables, data["fingerprint"], data["spec"])
+
+    def trial(self, strategy: Strategy, warmup: int = 3, steps: int = 10) -> TrialResult:
+        """Runs the script under ``strategy``; returns its time per step."""
+        self._runs += 1
+        name = f"trial-{self._runs:03d}"
+        settings = TrialSettings(strategy=strategy.save(os.path.join(self._workdir,
+                                                                     f"{name}.strategy")),
+                                 result=os.path.join(self._workdir, f"{name}.json"),
+                                 warmup=warmup, steps=steps)
+        start = time.monotonic()
+        code, log = self._run({TRIAL_ENV: settings.to_env()}, name)
+        wall = time.monotonic() - start
+        if code == 0 and os.path.exists(settings.result):
+            with open(settings.result) as source:
+                return TrialResult(json.load(source)["seconds_per_step"], wall_seconds=wall)
+        if code is None:
+            return TrialResult(None, f"timed out after {self._timeout:.0f} s; see {log}", wall)
+        if code == 0:
+            return TrialResult(None, f"the script ended before {warmup + steps} steps; "
+                                     f"see {log}", wall)
+        return TrialResult(None, f"exit code {code}; see {log}", wall)
+
+    def _run(self, env: dict, name: str):
+        """Runs the script once; returns (exit code or None on timeout, log path)."""
+        log_path = os.path.join(self._workdir, f"{name}.log")
+        env = dict(os.environ, **env)
+        if self._spec_path:
+            env[SPEC_ENV] = os.path.abspath(self._spec_path)
+        with open(log_path, "w") as log:
+            process = subprocess.Popen([sys.executable, *self._argv], stdout=log,
+                                       stderr=subprocess.STDOUT, env=env,
+                                       start_new_session=True)
+            try:
+                return process.wait(timeout=self._timeout), log_path
+            except subprocess.TimeoutExpired:
+                _stop(process)
+                return None, log_path
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """SIGTERM first: the chief then stops its workers; SIGKILL if it lingers."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def _write_json(path: str, data: dict) -> None:
+    """Writes ``path`` whole or not at all: the reader may look at any moment."""
+    temporary = f"{path}.tmp-{os.getpid()}"
+    with open(temporary, "w") as target:
+        json.dump(data, target)
+    os.replace(temporary, path)

@@ -1,0 +1,62 @@
+"""Trials: the README's example script captured and timed under candidate strategies."""
+import os
+
+import pytest
+
+from autodist.resource_spec import ResourceSpec
+from autodist.strategy import PS, AllReduce, common
+from autodist.strategy.auto.trial import ScriptRunner
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "train_mlp.py")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory):
+    return ScriptRunner([EXAMPLE], str(tmp_path_factory.mktemp("capture"))).capture()
+
+
+def test_capture_reads_the_scripts_variables_without_training(captured):
+    shapes = sorted(v.shape for v in captured.trainable_variables)
+    assert shapes == [(1,), (16, 32), (32,), (32, 1)]
+    assert all(v.has_grad and not v.sparse_grad for v in captured.trainable_variables)
+    assert os.path.samefile(captured.spec, os.path.join(os.path.dirname(EXAMPLE), "..",
+                                                        "configs", "local_2cpu.yml"))
+
+
+@pytest.mark.parametrize("builder", [PS, AllReduce])
+def test_a_trial_times_the_scripts_own_steps(captured, tmp_path, builder):
+    runner = ScriptRunner([EXAMPLE, "--steps", "50"], str(tmp_path))
+    strategy = builder().build(captured, ResourceSpec(captured.spec))
+    result = runner.trial(strategy, warmup=2, steps=5)
+    assert result.ok, result.error
+    assert 0 < result.seconds_per_step * 5 < result.wall_seconds
+    log = (tmp_path / "trial-001.log").read_text()
+    # The job ended inside step 7 (index 6): it neither trained on nor printed its strategy.
+    assert "step   5  loss" in log and "step   6" not in log and "Strategy" not in log
+
+
+def test_a_script_ending_before_the_timed_steps_fails_the_trial(captured, tmp_path):
+    runner = ScriptRunner([EXAMPLE, "--steps", "4"], str(tmp_path))
+    result = runner.trial(PS().build(captured, ResourceSpec(captured.spec)), warmup=2, steps=5)
+    assert not result.ok and "ended before 7 steps" in result.error
+
+
+def test_a_strategy_that_does_not_fit_fails_the_trial_with_its_log(captured, tmp_path):
+    runner = ScriptRunner([EXAMPLE], str(tmp_path))
+    strategy = PS().build(captured, ResourceSpec(captured.spec))
+    strategy.node_config.append(common.ps_node_config("no/such/variable", "localhost:CPU:0"))
+    result = runner.trial(strategy, warmup=1, steps=1)
+    assert not result.ok and "exit code 1" in result.error
+    assert "no/such/variable" in (tmp_path / "trial-001.log").read_text()
+
+
+def test_the_search_spec_overrides_the_scripts_own(spec_path_4cpu, tmp_path):
+    runner = ScriptRunner([EXAMPLE], str(tmp_path), spec_path=spec_path_4cpu)
+    captured = runner.capture()
+    assert os.path.samefile(captured.spec, spec_path_4cpu)
+    strategy = AllReduce().build(captured, ResourceSpec(captured.spec))
+    assert len(strategy.replicas) == 4
+    result = runner.trial(strategy, warmup=1, steps=2)
+    assert result.ok, result.error
