@@ -131,7 +131,10 @@ def import_graph_def(graph_def, input_map: dict, prefix: str) -> None:
     Unlike ``tf.graph_util.import_graph_def`` it skips the per-op Python
     post-processing (device scopes, colocation attributes), which dominates the
     rewrite of large graphs: callers set every device in the NodeDefs and strip
-    colocations. Functions of the library must already be in the graph.
+    colocations. Outside a ``control_dependencies`` block it also skips the
+    pass over every new op's inputs, which adds control inputs from that block
+    and control-flow contexts (an import never restores one, so there is none).
+    Functions of the library must already be in the graph.
     """
     from tensorflow.python.client import pywrap_tf_session as c_api
     from tensorflow.python.framework import c_api_util, importer
@@ -148,4 +151,9 @@ def import_graph_def(graph_def, input_map: dict, prefix: str) -> None:
             c_api_util.ScopedTFImportGraphDefResults(results)
         finally:
             c_api.TF_DeleteBuffer(buffer)
-        graph._add_new_tf_operations(compute_devices=False)  # pylint: disable=protected-access
+        # pylint: disable=protected-access
+        if graph._control_dependencies_stack:
+            graph._add_new_tf_operations(compute_devices=False)
+        else:
+            for c_op in graph.new_operations():
+                graph._create_op_from_tf_operation(c_op, compute_device=False)

@@ -1,10 +1,16 @@
-"""AllReduce synchronizer: every replica keeps a copy; gradients meet in collectives.
+"""AllReduce synchronizer: every node keeps a copy; gradients meet in collectives.
 
 Dense gradients of the parts sharing a group are flattened into one buffer per
 replica and reduced by a single TensorFlow collective (mean), then split back.
 Sparse gradients are all-gathered (values and indices), which keeps them sparse.
 Collective keys are derived from the strategy alone, so every node of a cluster
 computes the same ones.
+
+A node's replicas share its one copy of each part (on the node's CPU; CPU
+replicas share the host's memory): the collective leaves the same mean on every
+replica, so one update per node is enough, and a model of hundreds of
+variables on many replicas does not pay for a copy, optimizer slots and an
+update per replica.
 """
 from __future__ import annotations
 
@@ -23,24 +29,21 @@ _COMPRESSOR_NAMES = synchronizers_pb2.AllReduceSynchronizer.Compressor.Name
 
 
 def create_all_reduce_storage(name: str, initial_value: tf.Tensor, ctx: KernelContext):
-    """One copy of the part on every replica device, all with the same initial value.
+    """This node's copy of the part, on its CPU, read by all its replicas.
 
-    On a cluster every node's copies start from an origin variable on the chief,
+    On a cluster every node's copy starts from an origin variable on the chief,
     so they agree even when the initializer is random and unseeded.
 
     Returns:
-        (copies, origin variable or None)
+        (the copy, origin variable or None)
     """
     origin = None
     if ctx.multi_node:
         with tf.device(ctx.chief_device):
             origin = tf.Variable(initial_value, trainable=False, name=f"{name}/origin")
         initial_value = origin.read_value()
-    copies = []
-    for replica in range(ctx.num_replicas):
-        with tf.device(ctx.replica_tf_device(replica)):
-            copies.append(tf.Variable(initial_value, name=f"{replica_scope(replica)}/{name}"))
-    return copies, origin
+    with tf.device(ctx.shared_device):
+        return tf.Variable(initial_value, name=name), origin
 
 
 class CollectiveKeys:
@@ -55,7 +58,7 @@ class CollectiveKeys:
         return key
 
 
-def all_reduce_group(members: list, sync, keys: CollectiveKeys, ctx: KernelContext) -> list:
+def all_reduce_group(members: list, sync, keys: CollectiveKeys, ctx: KernelContext) -> tuple:
     """Reduces the gradients of one group across all replicas.
 
     Args:
@@ -63,10 +66,12 @@ def all_reduce_group(members: list, sync, keys: CollectiveKeys, ctx: KernelConte
         sync: the group's AllReduceSynchronizer (its compressor applies to all).
 
     Returns:
-        list parallel to ``members`` of [mean grad per local replica].
+        (list parallel to ``members`` of the mean gradient, taken from this
+        node's first replica; the other replicas' collectives, which must run too)
     """
     group_size = ctx.total_replicas
-    reduced = [[None] * ctx.num_replicas for _ in members]
+    means = [None] * len(members)
+    others = []
     dense = [i for i, (_, grads) in enumerate(members)
              if not isinstance(grads[0], tf.IndexedSlices)]
     if dense:
@@ -74,42 +79,54 @@ def all_reduce_group(members: list, sync, keys: CollectiveKeys, ctx: KernelConte
         for replica in range(ctx.num_replicas):
             with tf.device(ctx.replica_tf_device(replica)):
                 grads = [members[i][1][replica] for i in dense]
-                mean = _reduce_dense(grads, sync, group_size, key,
-                                     f"{replica_scope(replica)}/{members[dense[0]][0]}")
-                for i, grad in zip(dense, mean):
-                    reduced[i][replica] = grad
+                scope = f"{replica_scope(replica)}/{members[dense[0]][0]}"
+                summed, unpack = _reduce_dense(grads, sync, group_size, key, scope)
+                if replica == 0:
+                    for i, grad in zip(dense, unpack(summed)):
+                        means[i] = grad
+                else:
+                    others.append(summed.op)
     for i, (_, grads) in enumerate(members):
         if i in dense:
             continue
         sparse_keys = (keys.take(), keys.take(), keys.take())
         for replica in range(ctx.num_replicas):
             with tf.device(ctx.replica_tf_device(replica)):
-                reduced[i][replica] = _gather_sparse(grads[replica], group_size, sparse_keys)
-    return reduced
+                gathered = _gather_sparse(grads[replica], group_size, sparse_keys)
+                if replica == 0:
+                    means[i] = _mean_of_gathered(*gathered, group_size, grads[replica])
+                else:
+                    others.extend(t.op for t in gathered)
+    return means, others
 
 
-def _reduce_dense(grads: list, sync, group_size: int, key: int, scope: str) -> list:
-    flat = tf.concat([tf.reshape(g, [-1]) for g in grads], 0) if len(grads) > 1 \
-        else tf.reshape(grads[0], [-1])
+def _reduce_dense(grads: list, sync, group_size: int, key: int, scope: str) -> tuple:
+    """One replica's collective of a group: (its output, a function unpacking the mean)."""
+    flat_shape = tf.constant([-1])  # one shape constant for all: large groups are common
+    flat = tf.concat([tf.reshape(g, flat_shape) for g in grads], 0) if len(grads) > 1 \
+        else tf.reshape(grads[0], flat_shape)
     compressor = make_compressor(_COMPRESSOR_NAMES(sync.compressor), scope)
     wire, ctx = compressor.compress(flat)
     summed = tf.raw_ops.CollectiveReduceV2(
         input=wire, group_size=group_size, group_key=COLLECTIVE_GROUP_KEY,
         instance_key=key, ordering_token=[], merge_op="Add", final_op="Div",
         max_subdivs_per_device=_RING_SUBDIVISIONS)
-    mean = compressor.decompress(summed, ctx)
-    sizes = [g.shape.num_elements() for g in grads]
-    return [tf.reshape(piece, g.shape) for piece, g in zip(tf.split(mean, sizes), grads)]
+
+    def unpack(summed):
+        mean = compressor.decompress(summed, ctx)
+        sizes = [g.shape.num_elements() for g in grads]
+        return [tf.reshape(piece, g.shape) for piece, g in zip(tf.split(mean, sizes), grads)]
+    return summed, unpack
 
 
-def _gather_sparse(grad: tf.IndexedSlices, group_size: int, keys: tuple) -> tf.IndexedSlices:
-    """All-gathers an IndexedSlices gradient and averages it.
+def _gather_sparse(grad: tf.IndexedSlices, group_size: int, keys: tuple) -> tuple:
+    """All-gathers an IndexedSlices gradient: (values, indices) of every replica.
 
     Replicas may hold different numbers of rows (a partition owns the rows whose
     ids fall in its range), but a gather needs equal shapes: every replica pads to
-    one more than the largest count with rows of index -1, which are dropped after
-    the gather. The extra row keeps the gather from ever being empty, which
-    crashes the collective.
+    one more than the largest count with rows of index -1, dropped by
+    :func:`_mean_of_gathered`. The extra row keeps the gather from ever being
+    empty, which crashes the collective.
     """
     count_key, value_key, index_key = keys
     indices = tf.cast(grad.indices, tf.int64)
@@ -118,8 +135,11 @@ def _gather_sparse(grad: tf.IndexedSlices, group_size: int, keys: tuple) -> tf.I
     padding = longest + 1 - count[0]
     values = tf.pad(grad.values, [[0, padding]] + [[0, 0]] * (grad.values.shape.rank - 1))
     indices = tf.pad(indices, [[0, padding]], constant_values=-1)
-    values = _gather(values, group_size, value_key)
-    indices = _gather(indices, group_size, index_key)
+    return _gather(values, group_size, value_key), _gather(indices, group_size, index_key)
+
+
+def _mean_of_gathered(values: tf.Tensor, indices: tf.Tensor, group_size: int,
+                      grad: tf.IndexedSlices) -> tf.IndexedSlices:
     real = indices >= 0
     return tf.IndexedSlices(tf.boolean_mask(values, real) / float(group_size),
                             tf.boolean_mask(indices, real), grad.dense_shape)

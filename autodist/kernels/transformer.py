@@ -36,7 +36,7 @@ class PartStorage:
     """Where one variable part lives: its stored copies and what each replica reads."""
 
     part: object            # compiler.VariablePart
-    copies: list            # PS: [shared]; AllReduce: one per replica
+    copies: list            # PS: [shared]; AllReduce: [this node's copy]
     readers: list           # per replica
     origin: Optional[tf.Variable] = None  # AllReduce on a cluster: the chief's initial value
 
@@ -73,7 +73,7 @@ class DistributedGraph:
 
     Variables are initialized in two phases, the second reading the first:
     ``init_ops[0]`` everything this node initializes except ``derived`` copies
-    (AllReduce copies, proxies), ``init_ops[1]`` those copies. On a cluster a
+    (a cluster's AllReduce copies, proxies), ``init_ops[1]`` those copies. On a cluster a
     worker leaves the chief's variables to the chief and, between the phases,
     waits until ``chief_uninitialized`` (names of the chief's variables not yet
     initialized) is empty.
@@ -169,8 +169,8 @@ def _create_storage(item: GraphItem, variable: CompiledVariable,
             shared, readers = create_ps_storage(part.name, value, part.synchronizer, ctx)
             parts.append(PartStorage(part, [shared], readers))
         else:
-            copies, origin = create_all_reduce_storage(part.name, value, ctx)
-            parts.append(PartStorage(part, copies, copies, origin))
+            copy, origin = create_all_reduce_storage(part.name, value, ctx)
+            parts.append(PartStorage(part, [copy], [copy] * ctx.num_replicas, origin))
     if variable.plan is None:
         handles = [reader.handle for reader in parts[0].readers]
     else:
@@ -200,7 +200,8 @@ class _Synchronized:
     """What the synchronizers produced for the update stage."""
 
     ps_updates: list = dataclasses.field(default_factory=list)   # (mean gradient, shared copy)
-    ar_updates: list = dataclasses.field(default_factory=list)   # (mean gradient, local copy)
+    ar_updates: list = dataclasses.field(default_factory=list)   # (mean gradient, node's copy)
+    collectives: list = dataclasses.field(default_factory=list)  # other replicas' collectives
     proxy_parts: list = dataclasses.field(default_factory=list)  # PS parts read through proxies
     sent: list = dataclasses.field(default_factory=list)     # ops sending gradients to PS nodes
     stashed: list = dataclasses.field(default_factory=list)  # split step: ops keeping them
@@ -248,10 +249,10 @@ def _synchronize(result: DistributedGraph) -> _Synchronized:
     keys = CollectiveKeys()
     for group in sorted(groups):
         members = groups[group]
-        reduced = all_reduce_group([(p.part.name, g) for p, g in members],
-                                   members[0][0].part.synchronizer, keys, ctx)
-        for (part_storage, _), grads in zip(members, reduced):
-            out.ar_updates.extend(zip(grads, part_storage.copies))
+        means, others = all_reduce_group([(p.part.name, g) for p, g in members],
+                                         members[0][0].part.synchronizer, keys, ctx)
+        out.ar_updates.extend((mean, p.copies[0]) for (p, _), mean in zip(members, means))
+        out.collectives.extend(others)
     return out
 
 
@@ -316,10 +317,11 @@ def _apply_updates(item: GraphItem, sync: _Synchronized, shared_variables: dict,
     counts_step = ctx.is_chief or not ctx.shared_variables_on_chief
     if not ctx.split_step:
         updates = sync.ps_updates + sync.ar_updates
-        steps = list(sync.sent) + ([apply(updates, counts_step)] if updates else [])
+        steps = list(sync.sent) + sync.collectives + (
+            [apply(updates, counts_step)] if updates else [])
         return _end_step(steps, sync, ctx, "autodist_train_op"), None
     local = [apply(sync.ar_updates, counts_step)] if sync.ar_updates else []
-    first = tf.group(*sync.stashed, *local, name="autodist_train_op")
+    first = tf.group(*sync.stashed, *sync.collectives, *local, name="autodist_train_op")
     steps = list(sync.sent)
     if sync.ps_updates:
         with tf.control_dependencies(sync.sent):
