@@ -15,6 +15,7 @@ from typing import Callable, Iterator
 import tensorflow as tf
 
 _V1Optimizer = tf.compat.v1.train.Optimizer
+_COPY_MARK = "_autodist_copy"  # set on optimizer_for_graph's copies, which are not captured
 
 
 @dataclasses.dataclass
@@ -48,6 +49,8 @@ def capture_apply_gradients(record: Callable[[OptimizerCall], None]) -> Iterator
     original = _V1Optimizer.apply_gradients
 
     def recording_apply_gradients(self, grads_and_vars, global_step=None, name=None):
+        if getattr(self, _COPY_MARK, False):  # AutoDist's own update, in the new graph
+            return original(self, grads_and_vars, global_step=global_step, name=name)
         grads_and_vars = list(grads_and_vars)
         graph = tf.compat.v1.get_default_graph()
         before = {op.name for op in graph.get_operations()}
@@ -72,6 +75,7 @@ def optimizer_for_graph(optimizer: _V1Optimizer,
     replaced by ``translate(value)``, their counterpart in the new graph.
     """
     clone = copy.copy(optimizer)
+    setattr(clone, _COPY_MARK, True)
     for attr, value in vars(clone).items():
         if isinstance(value, dict):
             setattr(clone, attr, {})
@@ -131,10 +135,12 @@ def import_graph_def(graph_def, input_map: dict, prefix: str) -> None:
     Unlike ``tf.graph_util.import_graph_def`` it skips the per-op Python
     post-processing (device scopes, colocation attributes), which dominates the
     rewrite of large graphs: callers set every device in the NodeDefs and strip
-    colocations. Outside a ``control_dependencies`` block it also skips the
-    pass over every new op's inputs, which adds control inputs from that block
-    and control-flow contexts (an import never restores one, so there is none).
-    Functions of the library must already be in the graph.
+    colocations. When no scope of the graph could change an op (control
+    dependencies, colocation, attribute, kernel-label or gradient-override
+    scopes) it only wraps each new op in its Python object: the scopes' work
+    and the pass over every op's inputs (for those scopes and for control-flow
+    contexts, which an import never restores) have nothing to do. Functions of
+    the library must already be in the graph.
     """
     from tensorflow.python.client import pywrap_tf_session as c_api
     from tensorflow.python.framework import c_api_util, importer
@@ -152,8 +158,12 @@ def import_graph_def(graph_def, input_map: dict, prefix: str) -> None:
         finally:
             c_api.TF_DeleteBuffer(buffer)
         # pylint: disable=protected-access
-        if graph._control_dependencies_stack:
+        scoped = (graph._control_dependencies_stack or graph._colocation_stack
+                  or graph._attr_scope_map or graph._op_to_kernel_label_map
+                  or graph._gradient_override_map)
+        if scoped:
             graph._add_new_tf_operations(compute_devices=False)
-        else:
-            for c_op in graph.new_operations():
-                graph._create_op_from_tf_operation(c_op, compute_device=False)
+            return
+        for c_op in graph.new_operations():
+            op = tf.Operation._from_c_op(c_op=c_op, g=graph)
+            graph._names_in_use.setdefault(op.name.lower(), 1)
