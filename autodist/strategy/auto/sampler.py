@@ -1,0 +1,336 @@
+"""A guided random sampler of per-variable strategies, for AutoStrategy's search.
+
+A sample is drawn in two levels. First a few strategy-wide knobs: the share of
+dense and of sparse-gradient variables sent to parameter servers, the share of
+optional partitions, the share of PS variables with a local proxy, which PS
+devices serve, how many AllReduce groups there are and, when allowed, the
+staleness bound and the share of fp16-compressed groups. Then every variable
+draws its own choices from those shares. Drawing the shares first spreads the
+samples from all-AllReduce to all-PS strategies instead of piling them up
+around an even mix, which independent per-variable coin flips would do.
+
+The structure is never random where a rule does better: PS variables and shards
+are placed with :func:`common.balanced_placement`, and AllReduce units are
+spread over the chosen number of groups the same way, so servers and groups
+carry balanced bytes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import heapq
+import math
+import random
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from autodist.strategy import common
+from autodist.strategy.all_reduce_builders import no_grad_node_config
+from autodist.strategy.base import Strategy
+
+Node = common.Node
+
+__all__ = ["SamplerConstraints", "StrategySampler", "balanced_groups", "sample", "sample_many"]
+
+_FP16_COMPRESSORS = ("HorovodCompressor", "HorovodCompressorEF")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConstraints:
+    """What the sampler may choose.
+
+    Attributes:
+        partition_threshold_bytes: variables of at most this size are never
+            partitioned (many tiny parts only add per-part overhead).
+        always_partition_bytes: variables above this size are always
+            partitioned, when one axis has at least ``min_partitions`` elements.
+        min_partitions: fewest parts of a partitioned variable.
+        max_partitions: most parts; also capped by the size of the split axis.
+        max_groups: most AllReduce groups per gradient dtype; None for one per unit.
+        sparse_all_reduce: sparse-gradient variables may be all-reduced
+            (all-gathered); with False they always go to parameter servers.
+        allow_fp16: fp16 compressors may be chosen (lossy).
+        max_staleness: PS staleness bounds may go up to this (lossy; 0 keeps
+            training synchronous).
+
+    Raises:
+        ValueError: naming the field and value that is out of range.
+    """
+
+    partition_threshold_bytes: int = 1 << 20
+    always_partition_bytes: int = 64 << 20
+    min_partitions: int = 2
+    max_partitions: int = 16
+    max_groups: Optional[int] = None
+    sparse_all_reduce: bool = True
+    allow_fp16: bool = False
+    max_staleness: int = 0
+
+    def __post_init__(self):
+        if self.partition_threshold_bytes < 0:
+            raise ValueError("SamplerConstraints: partition_threshold_bytes must be >= 0, got "
+                             f"{self.partition_threshold_bytes!r}.")
+        if self.always_partition_bytes < self.partition_threshold_bytes:
+            raise ValueError(
+                "SamplerConstraints: always_partition_bytes must be >= partition_threshold_bytes, "
+                f"got {self.always_partition_bytes!r} < {self.partition_threshold_bytes!r}.")
+        if not 2 <= self.min_partitions <= self.max_partitions:
+            raise ValueError(
+                "SamplerConstraints: need 2 <= min_partitions <= max_partitions, got "
+                f"min_partitions={self.min_partitions!r}, max_partitions={self.max_partitions!r}.")
+        common.check_positive_int("max_groups", self.max_groups, allow_none=True)
+        common.check_sync_args(True, self.max_staleness)
+
+
+class _Plan(NamedTuple):
+    """One variable's cut and synchronizer choice (names and bytes of its units)."""
+
+    axis: int
+    names: List[str]
+    sizes: List[int]
+    is_ps: bool
+    proxy: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _Knobs:
+    """The strategy-wide shares one sample draws first."""
+
+    dense_ps_share: float
+    sparse_ps_share: float
+    partition_share: float
+    proxy_share: float
+    fp16_share: float
+    staleness: int
+    servers: tuple
+    groups: int
+
+
+class StrategySampler:
+    """Draws random strategies for one graph and cluster under constraints.
+
+    Every sample compiles (``compile_strategy``) against the same graph and
+    cluster. Samples depend only on the generator's state, and the strategy id
+    is a digest of the content, so equal strategies have equal ids.
+
+    Args:
+        item_or_variables: a ``GraphItem`` (its ``trainable_variables``) or a
+            sequence of ``VariableInfo``.
+        resource_spec: the cluster.
+        constraints: what may be chosen.
+    """
+
+    def __init__(self, item_or_variables: Any, resource_spec: Any,
+                 constraints: SamplerConstraints = SamplerConstraints()):
+        variables = getattr(item_or_variables, "trainable_variables", item_or_variables)
+        self._variables = list(variables)
+        self._spec = resource_spec
+        self._constraints = constraints
+        self._ps_devices = common.ps_device_names(resource_spec)
+        self._sizes = {v.name: v.size_bytes for v in self._variables}
+        # Axes that can take the fewest parts, per variable; empty when none can.
+        fewest = constraints.min_partitions
+        self._axes = {v.name: [a for a, d in enumerate(v.shape) if int(d) >= fewest]
+                      for v in self._variables}
+        self._pinned_bytes = sum(v.size_bytes for v in self._variables if not v.has_grad)
+        # An upper bound of the all-reduced units, the most groups that can be useful.
+        self._most_units = sum(
+            constraints.max_partitions if v.size_bytes > constraints.partition_threshold_bytes
+            else 1 for v in self._variables if v.has_grad)
+        self._cuts: Dict[Tuple[str, int, int], Tuple[List[str], List[int]]] = {}
+
+    @property
+    def constraints(self) -> SamplerConstraints:
+        """SamplerConstraints: what the sampler may choose."""
+        return self._constraints
+
+    def sample(self, rng: Union[random.Random, int]) -> Strategy:
+        """Draws one strategy.
+
+        Args:
+            rng: a ``random.Random`` (advanced by the draw) or an int seed.
+
+        Returns:
+            Strategy: one node config per trainable variable, in graph order.
+        """
+        rng = random.Random(rng) if isinstance(rng, int) else rng
+        knobs = self._draw_knobs(rng)
+        plans = [self._plan_variable(var, knobs, rng) for var in self._variables]
+        placement = self._place_ps_units(plans, knobs)
+        groups, templates = self._group_ar_units(plans, knobs, rng)
+        strategy = common.new_strategy(self._spec)
+        for var, plan in zip(self._variables, plans):
+            strategy.node_config.append(
+                self._node_config(var, plan, placement, groups, templates, knobs))
+        strategy.proto.id = ""
+        digest = hashlib.sha1(strategy.proto.SerializeToString(deterministic=True)).hexdigest()
+        strategy.proto.id = f"sampled-{digest[:16]}"
+        return strategy
+
+    def sample_many(self, count: int, seed: int = 0) -> List[Strategy]:
+        """Draws ``count`` strategies from one generator seeded with ``seed``.
+
+        Returns:
+            list[Strategy]: the samples, in draw order (duplicates possible).
+        """
+        common.check_positive_int("count", count)
+        rng = random.Random(seed)
+        return [self.sample(rng) for _ in range(count)]
+
+    # ------------------------------------------------------------------ the draws
+
+    def _draw_knobs(self, rng: random.Random) -> _Knobs:
+        c = self._constraints
+        num_servers = rng.randint(1, len(self._ps_devices))
+        chosen = set(rng.sample(self._ps_devices, num_servers))
+        servers = tuple(d for d in self._ps_devices if d in chosen)  # keep the chief first
+        # Log-uniform over 1..most: a uniform draw over hundreds of counts would
+        # almost never merge into a few large groups, often the fastest choice.
+        most = max(1, min(c.max_groups or self._most_units, self._most_units))
+        groups = min(most, int(math.exp(rng.uniform(0.0, math.log(most + 1)))))
+        return _Knobs(
+            dense_ps_share=rng.random(),
+            sparse_ps_share=rng.random() if c.sparse_all_reduce else 1.0,
+            partition_share=rng.random(),
+            proxy_share=rng.random(),
+            fp16_share=rng.random() if c.allow_fp16 else 0.0,
+            staleness=rng.randint(0, c.max_staleness) if c.max_staleness else 0,
+            servers=servers,
+            groups=max(1, groups))
+
+    def _plan_variable(self, var, knobs: _Knobs, rng: random.Random) -> Optional[_Plan]:
+        """Decides the cut and synchronizer of one variable; None without a gradient."""
+        if not var.has_grad:
+            return None
+        c = self._constraints
+        axes = self._axes[var.name]
+        size = self._sizes[var.name]
+        split = bool(axes) and (size > c.always_partition_bytes or (
+            size > c.partition_threshold_bytes and rng.random() < knobs.partition_share))
+        axis, num_parts = 0, 1
+        if split:
+            axis = axes[0] if len(axes) == 1 else rng.choice(axes)
+            num_parts = rng.randint(c.min_partitions, min(c.max_partitions, int(var.shape[axis])))
+        share = knobs.sparse_ps_share if var.sparse_grad else knobs.dense_ps_share
+        is_ps = rng.random() < share
+        proxy = is_ps and rng.random() < knobs.proxy_share
+        if num_parts == 1:
+            return _Plan(axis, [var.name], [size], is_ps, proxy)
+        key = (var.name, axis, num_parts)
+        if key not in self._cuts:
+            self._cuts[key] = ([common.part_name(var.name, i) for i in range(num_parts)],
+                               common.part_sizes_bytes(var, axis, num_parts))
+        names, sizes = self._cuts[key]
+        return _Plan(axis, names, sizes, is_ps, proxy)
+
+    def _place_ps_units(self, plans, knobs: _Knobs) -> Dict[str, str]:
+        items = [(name, size) for plan in plans if plan is not None and plan.is_ps
+                 for name, size in zip(plan.names, plan.sizes)]
+        if not items:
+            return {}
+        # Variables without a gradient sit on the chief's CPU: count them when it serves.
+        pinned = ({self._ps_devices[0]: self._pinned_bytes}
+                  if self._ps_devices[0] in knobs.servers else None)
+        placement, _ = common.balanced_placement(items, knobs.servers, pinned)
+        return placement
+
+    def _group_ar_units(self, plans, knobs: _Knobs, rng: random.Random):
+        """Returns (unit name -> group, group -> AR node config with its compressor).
+
+        A group's gradients are concatenated into one buffer, so groups never
+        mix dtypes. Sparse units are gathered one by one whatever their group;
+        they join group 0. A group's compressor is drawn once for all its units.
+        """
+        by_dtype: Dict[str, List] = {}
+        sparse_units: List[str] = []
+        for var, plan in zip(self._variables, plans):
+            if plan is None or plan.is_ps:
+                continue
+            if var.sparse_grad:
+                sparse_units.extend(plan.names)
+            else:
+                by_dtype.setdefault(var.dtype, []).extend(zip(plan.names, plan.sizes))
+        groups: Dict[str, int] = {name: 0 for name in sparse_units}
+        compressors: Dict[int, str] = {}
+        next_group = 0
+        for dtype, items in by_dtype.items():
+            ids = list(range(next_group, next_group + min(knobs.groups, len(items))))
+            groups.update(balanced_groups(items, ids))
+            floating = np.issubdtype(np.dtype(dtype), np.floating)
+            for group in ids:
+                lossy = floating and rng.random() < knobs.fp16_share
+                compressors[group] = rng.choice(_FP16_COMPRESSORS) if lossy else "NoneCompressor"
+            next_group = ids[-1] + 1
+        compressors.setdefault(0, "NoneCompressor")
+        # Units copy a config per compressor, then set their group: the helper's
+        # enum lookups run a few times per sample rather than once per unit.
+        templates = {name: common.ar_node_config("", 0, compressor=name)
+                     for name in set(compressors.values())}
+        return groups, {group: templates[name] for group, name in compressors.items()}
+
+    def _node_config(self, var, plan: Optional[_Plan], placement, groups, templates,
+                     knobs: _Knobs):
+        if plan is None:
+            return no_grad_node_config(var, self._ps_devices)
+        staleness = knobs.staleness
+        units = []
+        for name in plan.names:
+            if plan.is_ps:
+                units.append(common.ps_node_config(name, placement[name], plan.proxy,
+                                                   sync=staleness == 0, staleness=staleness))
+            else:
+                group = groups[name]
+                node = Node()
+                node.CopyFrom(templates[group])
+                node.var_name = name
+                node.AllReduceSynchronizer.group = group
+                units.append(node)
+        if len(units) == 1:
+            return units[0]
+        return common.partitioned_node_config(var.name, plan.axis, len(var.shape), units)
+
+
+def balanced_groups(items: Sequence[Tuple[str, int]], group_ids: Sequence[int]) -> Dict[str, int]:
+    """Spreads units over groups as :func:`common.balanced_placement` spreads them over devices.
+
+    The same rule (largest first, each to the least-loaded group, ties to the
+    earlier one) with a heap: there can be hundreds of groups, and the linear
+    scan of the shared helper, fine for a few devices, would make grouping
+    quadratic.
+
+    Args:
+        items: ``(unit name, bytes)`` pairs with unique names.
+        group_ids: the groups, in tie-breaking order.
+
+    Returns:
+        dict[str, int]: unit name -> group id.
+    """
+    heap = [(0, order, group) for order, group in enumerate(group_ids)]
+    heapq.heapify(heap)
+    placement = {}
+    for _, (name, size) in sorted(enumerate(items), key=lambda pair: (-pair[1][1], pair[0])):
+        load, order, group = heapq.heappop(heap)
+        placement[name] = group
+        heapq.heappush(heap, (load + size, order, group))
+    return placement
+
+
+def sample(item_or_variables: Any, resource_spec: Any, rng: Union[random.Random, int],
+           constraints: SamplerConstraints = SamplerConstraints()) -> Strategy:
+    """Draws one strategy; see :class:`StrategySampler` (build one to draw many).
+
+    Returns:
+        Strategy: a strategy that compiles against the graph and the cluster.
+    """
+    return StrategySampler(item_or_variables, resource_spec, constraints).sample(rng)
+
+
+def sample_many(item_or_variables: Any, resource_spec: Any, count: int, seed: int = 0,
+                constraints: SamplerConstraints = SamplerConstraints()) -> List[Strategy]:
+    """Draws ``count`` strategies from a generator seeded with ``seed``.
+
+    Returns:
+        list[Strategy]: the samples in draw order.
+    """
+    return StrategySampler(item_or_variables, resource_spec, constraints).sample_many(count, seed)

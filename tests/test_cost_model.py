@@ -1,0 +1,263 @@
+"""The predefined cost model on hand-computed cases, and its explanation."""
+import subprocess
+import sys
+import types
+
+import pytest
+
+from autodist.graph_item import VariableInfo
+from autodist.resource_spec import ResourceSpec
+from autodist.simulator import COMPONENTS, CostModel, CostWeights, format_breakdown
+from autodist.strategy import PS, Parallax, PartitionedAR, PartitionedPS, StrategyError, common
+from autodist.strategy.compiler import compile_strategy
+from test_builders import GRAPH, THREE_NODES
+
+pytestmark = pytest.mark.timeout(60)
+
+A, B = "10.0.0.1", "10.0.0.2"
+MB4 = 4_000_000  # bytes of a (1_000_000,) float32 variable
+LATENCY = CostWeights().collective_latency
+OVERHEAD = CostWeights().ps_part_overhead
+MODEL = CostModel()
+
+
+def spec(*nodes):
+    """nodes: (address, number of CPU replicas, Gbit/s or None); the first is the chief."""
+    return ResourceSpec.from_dict({"nodes": [
+        dict({"address": addr, "cpus": list(range(cpus)), "chief": i == 0},
+             **({"network_bandwidth": gbps} if gbps else {}))
+        for i, (addr, cpus, gbps) in enumerate(nodes)]})
+
+
+def vec(name, elements=1_000_000, **kwargs):
+    return VariableInfo(name, (elements,), "float32", **kwargs)
+
+
+def strategy_of(resource_spec, *nodes):
+    strategy = common.new_strategy(resource_spec)
+    strategy.node_config.extend(nodes)
+    return strategy
+
+
+def seconds(num_bytes, gbps):
+    return num_bytes * 8 / (gbps * 1e9)
+
+
+def predict(strategy, variables, resource_spec, batch_size=10, model=MODEL, **kwargs):
+    """Predicts from the Strategy and from its compiled form; both must agree."""
+    direct = model.predict(strategy, variables, resource_spec, batch_size=batch_size, **kwargs)
+    item = types.SimpleNamespace(trainable_variables=variables)
+    compiled = compile_strategy(strategy, item, resource_spec)
+    assert model.predict(compiled, None, resource_spec, batch_size=batch_size,
+                         **kwargs) == pytest.approx(direct, rel=1e-12)
+    return direct
+
+
+def breakdown(strategy, variables, resource_spec, batch_size=10, **kwargs):
+    return MODEL.breakdown(strategy, variables, resource_spec, batch_size=batch_size, **kwargs)
+
+
+TWO_BY_TWO = spec((A, 2, 1), (B, 2, 1))     # 4 replicas on 2 nodes at 1 Gbit/s
+ONE_PLUS_THREE = spec((A, 1, 1), (B, 3, 1))  # a server node with 1 replica, 3 remote replicas
+
+
+# ----------------------------------------------------------------------------- all-reduce
+
+def test_ring_all_reduce_of_one_variable_on_four_replicas_across_two_nodes():
+    v = vec("v")
+    got = predict(strategy_of(TWO_BY_TWO, common.ar_node_config("v", 0)), [v], TWO_BY_TWO)
+    ring = 2 * 3 / 4 * MB4 * 8 / 1e9
+    assert ring == pytest.approx(0.048)
+    assert got == pytest.approx(ring + LATENCY)
+
+
+@pytest.mark.parametrize("compressor", ["HorovodCompressor", "HorovodCompressorEF"])
+def test_fp16_compressors_halve_the_ring_bytes(compressor):
+    node = common.ar_node_config("v", 0, compressor=compressor)
+    got = predict(strategy_of(TWO_BY_TWO, node), [vec("v")], TWO_BY_TWO)
+    assert got == pytest.approx(0.024 + LATENCY)
+
+
+def test_the_slowest_nic_on_the_ring_binds():
+    slow = spec((A, 2, 1), (B, 2, 0.5))
+    got = predict(strategy_of(slow, common.ar_node_config("v", 0)), [vec("v")], slow)
+    assert got == pytest.approx(0.096 + LATENCY)
+
+
+def test_a_ring_within_one_node_runs_at_the_local_bandwidth():
+    one = spec((A, 2, None))
+    got = predict(strategy_of(one, common.ar_node_config("v", 0)), [vec("v")], one)
+    assert got == pytest.approx(2 * 1 / 2 * seconds(MB4, 50) + LATENCY)
+    fast_bus = CostModel(local_bandwidth_gbps=100)
+    assert predict(strategy_of(one, common.ar_node_config("v", 0)), [vec("v")], one,
+                   model=fast_bus) == pytest.approx(seconds(MB4, 100) + LATENCY)
+
+
+def test_merging_two_variables_into_one_group_removes_one_latency_term():
+    variables = [vec("v"), vec("w")]
+    apart = predict(strategy_of(TWO_BY_TWO, common.ar_node_config("v", 0),
+                                common.ar_node_config("w", 1)), variables, TWO_BY_TWO)
+    merged = predict(strategy_of(TWO_BY_TWO, common.ar_node_config("v", 0),
+                                 common.ar_node_config("w", 0)), variables, TWO_BY_TWO)
+    assert apart == pytest.approx(2 * 0.048 + 2 * LATENCY)
+    assert apart - merged == pytest.approx(LATENCY)
+
+
+def test_sparse_all_reduce_is_an_all_gather_of_the_touched_rows():
+    emb = VariableInfo("emb", (1000, 64), "float32", sparse_grad=True)  # 256 B per row
+    node = common.ar_node_config("emb", 0, compressor="HorovodCompressor")  # no effect on gathers
+    strategy = strategy_of(TWO_BY_TWO, node)
+    got = predict(strategy, [emb], TWO_BY_TWO, batch_size=10)
+    assert got == pytest.approx(3 * 10 * 256 * 8 / 1e9 + 3 * LATENCY)
+    more_rows = predict(strategy, [emb], TWO_BY_TWO, batch_size=10, rows_touched={"emb": 100})
+    assert more_rows == pytest.approx(3 * 100 * 256 * 8 / 1e9 + 3 * LATENCY)
+    capped = predict(strategy, [emb], TWO_BY_TWO, batch_size=5000)  # at most every row
+    assert capped == pytest.approx(3 * 1000 * 256 * 8 / 1e9 + 3 * LATENCY)
+
+
+# ----------------------------------------------------------------------------- parameter servers
+
+def test_ps_with_three_remote_replicas_loads_the_server_nic_three_times():
+    node = common.ps_node_config("v", f"{A}:CPU:0")
+    got = predict(strategy_of(ONE_PLUS_THREE, node), [vec("v")], ONE_PLUS_THREE)
+    assert got == pytest.approx(seconds(3 * MB4, 1) + OVERHEAD)  # 0.096 s + one part
+    assert got == pytest.approx(0.096 + OVERHEAD)
+
+
+def test_a_local_proxy_pulls_once_per_node_and_staleness_divides_the_pulls():
+    # A variable without a gradient only moves by pulls.
+    frozen = [vec("v", has_grad=False)]
+    dest = f"{A}:CPU:0"
+    per_replica = predict(strategy_of(ONE_PLUS_THREE, common.ps_node_config("v", dest)),
+                          frozen, ONE_PLUS_THREE)
+    proxy = predict(strategy_of(ONE_PLUS_THREE, common.ps_node_config("v", dest, True)),
+                    frozen, ONE_PLUS_THREE)
+    stale = predict(strategy_of(ONE_PLUS_THREE, common.ps_node_config(
+        "v", dest, True, sync=False, staleness=1)), frozen, ONE_PLUS_THREE)
+    assert per_replica == pytest.approx(0.096)
+    assert proxy == pytest.approx(0.032)
+    assert stale == pytest.approx(0.016)
+
+
+def test_a_proxy_alone_leaves_the_pushes_binding_a_transfer_destination_sums_them():
+    v = [vec("v")]
+    proxy = common.ps_node_config("v", f"{A}:CPU:0", local_replication=True)
+    assert predict(strategy_of(ONE_PLUS_THREE, proxy), v, ONE_PLUS_THREE) == pytest.approx(
+        0.096 + OVERHEAD)
+    summed = common.ps_node_config("v", f"{A}:CPU:0", local_replication=True)
+    summed.PSSynchronizer.transfer_destination = f"{B}:CPU:0"
+    assert predict(strategy_of(ONE_PLUS_THREE, summed), v, ONE_PLUS_THREE) == pytest.approx(
+        0.032 + OVERHEAD)
+
+
+def test_the_busiest_nic_binds():
+    # Server A at 2 Gbit/s receives 3 pushes (0.048 s); B at 1 Gbit/s sends them (0.096 s)
+    # and, with a proxy, receives one pull (0.032 s).
+    lopsided = spec((A, 1, 2), (B, 3, 1))
+    node = common.ps_node_config("v", f"{A}:CPU:0", local_replication=True)
+    result = breakdown(strategy_of(lopsided, node), [vec("v")], lopsided)
+    assert result.binding_resource == f"{B} out"
+    assert result.totals["ps_transfer"] == pytest.approx(0.096)
+    # Two servers: B is slower, so the traffic of the variable it serves binds.
+    two = spec((A, 1, 1), (B, 1, 0.5))
+    nodes = [common.ps_node_config("v", f"{A}:CPU:0"), common.ps_node_config("w", f"{B}:CPU:0")]
+    result = breakdown(strategy_of(two, *nodes), [vec("v"), vec("w", 2_000_000)], two)
+    assert result.binding_resource.startswith(B)
+    assert result.totals["ps_transfer"] == pytest.approx(seconds(3 * MB4, 0.5))  # 0.192 s
+
+
+def test_replicas_next_to_the_server_use_the_local_bus():
+    one = spec((A, 2, None))
+    got = predict(strategy_of(one, common.ps_node_config("v", f"{A}:CPU:0")), [vec("v")], one)
+    assert got == pytest.approx(seconds(2 * MB4 + 2 * MB4, 50) + OVERHEAD)
+
+
+def test_sparse_ps_moves_touched_rows_but_a_proxy_copies_the_whole_part():
+    emb = [VariableInfo("emb", (1000, 64), "float32", sparse_grad=True)]
+    dest = f"{A}:CPU:0"
+    rows = predict(strategy_of(ONE_PLUS_THREE, common.ps_node_config("emb", dest)),
+                   emb, ONE_PLUS_THREE, batch_size=10)
+    assert rows == pytest.approx(seconds(3 * 10 * 256, 1) + OVERHEAD)
+    proxy = predict(strategy_of(ONE_PLUS_THREE, common.ps_node_config("emb", dest, True)),
+                    emb, ONE_PLUS_THREE, batch_size=10)
+    assert proxy == pytest.approx(seconds(1000 * 256, 1) + OVERHEAD)
+
+
+def test_many_parts_on_one_server_cost_their_overhead_not_more_bytes():
+    v = vec("v")
+    whole = predict(strategy_of(ONE_PLUS_THREE, common.ps_node_config("v", f"{A}:CPU:0")),
+                    [v], ONE_PLUS_THREE)
+    parts = [common.ps_node_config(common.part_name("v", i), f"{A}:CPU:0") for i in range(4)]
+    split = predict(strategy_of(ONE_PLUS_THREE, common.partitioned_node_config("v", 0, 1, parts)),
+                    [v], ONE_PLUS_THREE)
+    assert split - whole == pytest.approx(3 * OVERHEAD)
+
+
+def test_mixing_ps_and_all_reduce_on_several_nodes_sums_and_proxies_per_node():
+    variables = [vec("v"), vec("w", 10)]
+    ps_only = predict(strategy_of(ONE_PLUS_THREE, common.ps_node_config("v", f"{A}:CPU:0"),
+                                  common.ps_node_config("w", f"{A}:CPU:0")),
+                      variables, ONE_PLUS_THREE)
+    mixed = breakdown(strategy_of(ONE_PLUS_THREE, common.ps_node_config("v", f"{A}:CPU:0"),
+                                  common.ar_node_config("w", 0)), variables, ONE_PLUS_THREE)
+    assert ps_only == pytest.approx(seconds(3 * (MB4 + 40), 1) + 2 * OVERHEAD)
+    assert mixed.totals["ps_transfer"] == pytest.approx(seconds(MB4, 1))  # one push, one pull
+
+
+# ----------------------------------------------------------------------------- explanation
+
+@pytest.mark.parametrize("builder", [PS(local_proxy_variable=True), PartitionedPS(),
+                                     PartitionedAR(chunk_size=2), Parallax(chunk_size=3)])
+def test_the_breakdown_adds_up_per_row_and_per_component(builder):
+    strategy = builder.build(GRAPH, THREE_NODES)
+    result = breakdown(strategy, GRAPH.trainable_variables, THREE_NODES, batch_size=4)
+    assert result.total == pytest.approx(predict(strategy, GRAPH.trainable_variables,
+                                                 THREE_NODES, batch_size=4), rel=1e-12)
+    assert sum(row.seconds for row in result.rows) == pytest.approx(result.total, rel=1e-12)
+    for name in COMPONENTS:
+        assert sum(r.seconds for r in result.rows if r.component == name) == pytest.approx(
+            result.totals[name], rel=1e-12, abs=1e-15)
+        assert result.totals[name] == pytest.approx(result.weights[name] * result.features[name])
+    assert sum(result.per_variable().values()) == pytest.approx(result.total, rel=1e-12)
+    assert result.total > 0
+
+
+def test_weights_scale_their_component_only():
+    strategy = strategy_of(TWO_BY_TWO, common.ar_node_config("v", 0), common.ar_node_config("w", 1))
+    heavy = CostModel(CostWeights(collective_latency=1e-3, ring_all_reduce=2.0))
+    got = heavy.predict(strategy, [vec("v"), vec("w")], TWO_BY_TWO, batch_size=1)
+    assert got == pytest.approx(2 * 2 * 0.048 + 2 * 1e-3)
+
+
+def test_format_breakdown_lists_variables_by_time_and_the_component_totals():
+    strategy = strategy_of(TWO_BY_TWO, common.ar_node_config("big", 0),
+                           common.ar_node_config("small", 1), common.ar_node_config("tiny", 1))
+    variables = [vec("big"), vec("small", 1000), vec("tiny", 10)]
+    text = format_breakdown(breakdown(strategy, variables, TWO_BY_TWO))
+    # Rings of 48, 0.048 and 0.00048 ms, and two groups of 0.2 ms latency.
+    assert text.startswith("Predicted 48.448 ms per iteration.")
+    lines = text.splitlines()
+    body = [line.split()[0] for line in lines[4:7]]
+    assert body == ["big", "small", "tiny"]
+    assert any(line.split()[:2] == ["collective_latency", "2"] for line in lines)
+    assert lines[-1].split() == ["total", "48.448"]
+    short = format_breakdown(breakdown(strategy, variables, TWO_BY_TWO), top=1)
+    assert "(others)" in short and "(2 variables)" in short
+
+
+# ----------------------------------------------------------------------------- errors and imports
+
+def test_bad_arguments_are_named():
+    strategy = strategy_of(TWO_BY_TWO, common.ar_node_config("v", 0))
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
+        MODEL.predict(strategy, [vec("v")], TWO_BY_TWO, batch_size=0)
+    with pytest.raises(StrategyError, match=r"without a config \['w'\]"):
+        MODEL.predict(strategy, [vec("v"), vec("w")], TWO_BY_TWO, batch_size=1)
+    with pytest.raises(ValueError, match="local_bandwidth_gbps"):
+        CostModel(local_bandwidth_gbps=0)
+
+
+def test_the_simulator_and_sampler_import_without_tensorflow():
+    code = ("import sys, autodist.simulator, autodist.strategy.auto; "
+            "sys.exit('tensorflow' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

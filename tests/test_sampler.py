@@ -1,0 +1,268 @@
+"""The guided sampler: constraints hold on every sample, and it is fast enough to search with."""
+import collections
+import dataclasses
+import random
+import time
+import types
+
+import pytest
+
+from autodist.graph_item import VariableInfo
+from autodist.proto import synchronizers_pb2
+from autodist.simulator import CostModel
+from autodist.strategy import common
+from autodist.strategy.all_reduce_builders import no_grad_node_config
+from autodist.strategy.auto import SamplerConstraints, StrategySampler, sample, sample_many
+from autodist.strategy.auto.sampler import balanced_groups
+from autodist.strategy.compiler import compile_strategy
+from test_builders import THREE_NODES
+
+pytestmark = pytest.mark.timeout(120)
+
+NONE = synchronizers_pb2.AllReduceSynchronizer.NoneCompressor
+
+VARIABLES = [
+    VariableInfo("emb", (5000, 32), "float32", sparse_grad=True),   # 640000 B: always split
+    VariableInfo("big/kernel", (300, 200), "float32"),              # 240000 B: always split
+    VariableInfo("mid/kernel", (50, 100), "float32"),               # 20000 B: may split
+    VariableInfo("mid/wide", (3, 2000), "float32"),                 # 24000 B: may split
+    VariableInfo("mid/half", (100, 60), "float16"),                 # 12000 B: may split
+    VariableInfo("small/kernel", (16, 8), "float32"),               # 512 B
+    VariableInfo("small/bias", (8,), "float32"),                    # 32 B
+    VariableInfo("half/bias", (8,), "float16"),                     # 16 B
+    VariableInfo("scale", (), "float32"),                           # 4 B
+    VariableInfo("tags", (40, 4), "float32", sparse_grad=True),     # 640 B
+    VariableInfo("step", (), "int64", has_grad=False),              # 8 B
+]
+GRAPH = types.SimpleNamespace(trainable_variables=VARIABLES)
+BY_NAME = {v.name: v for v in VARIABLES}
+CONSTRAINTS = SamplerConstraints(partition_threshold_bytes=10_000, always_partition_bytes=200_000,
+                                 min_partitions=2, max_partitions=6)
+PS_DEVICES = common.ps_device_names(THREE_NODES)
+
+
+def units(strategy):
+    """Yields (variable, unit name, bytes, node config) per synchronized unit, checking the cut."""
+    for node in strategy.node_config:
+        var = BY_NAME[node.var_name]
+        if not node.partitioner:
+            yield var, node.var_name, var.size_bytes, node
+            continue
+        counts = [int(c) for c in node.partitioner.split(",")]
+        axis = next(i for i, c in enumerate(counts) if c > 1)
+        sizes = common.part_sizes_bytes(var, axis, counts[axis])
+        for part, size in zip(node.part_config, sizes):
+            yield var, part.var_name, size, part
+
+
+def parts_count(node):
+    return max(int(c) for c in node.partitioner.split(",")) if node.partitioner else 1
+
+
+@pytest.fixture(scope="module")
+def samples():
+    return StrategySampler(GRAPH, THREE_NODES, CONSTRAINTS).sample_many(200, seed=11)
+
+
+def test_every_sample_compiles(samples):
+    for strategy in samples:
+        compiled = compile_strategy(strategy, GRAPH, THREE_NODES)
+        assert list(compiled.variables) == [v.name for v in VARIABLES]
+
+
+def test_partitions_respect_the_thresholds_and_bounds(samples):
+    split_mid = collections.Counter()
+    for strategy in samples:
+        for node in strategy.node_config:
+            var, k = BY_NAME[node.var_name], parts_count(node)
+            if var.size_bytes <= CONSTRAINTS.partition_threshold_bytes or not var.has_grad:
+                assert k == 1, (strategy.id, node.var_name)
+            elif var.size_bytes > CONSTRAINTS.always_partition_bytes:
+                assert k > 1, (strategy.id, node.var_name)
+            if k > 1:
+                axis = [int(c) for c in node.partitioner.split(",")].index(k)
+                assert CONSTRAINTS.min_partitions <= k <= min(CONSTRAINTS.max_partitions,
+                                                               var.shape[axis])
+                split_mid[node.var_name] += var.name.startswith("mid/")
+    # The optional partitions are really optional: some samples split them, some do not.
+    for name in ("mid/kernel", "mid/wide", "mid/half"):
+        assert 20 < split_mid[name] < 180, split_mid
+
+
+def test_mid_wide_is_only_split_along_axes_that_fit(samples):
+    # (3, 2000) with up to 6 parts: axis 0 allows 2 or 3 parts, axis 1 up to 6.
+    seen = set()
+    for strategy in samples:
+        node = strategy.node_config_by_name()["mid/wide"]
+        if node.partitioner:
+            seen.add(node.partitioner)
+    assert seen <= {"2,1", "3,1", "1,2", "1,3", "1,4", "1,5", "1,6"}
+    assert {"1,6", "2,1"} <= seen
+
+
+def test_ps_servers_carry_balanced_bytes(samples):
+    checked = 0
+    for strategy in samples:
+        loads, largest = collections.Counter(), 0
+        for var, _, size, node in units(strategy):
+            if var.has_grad and node.WhichOneof("synchronizer") == "PSSynchronizer":
+                loads[node.PSSynchronizer.reduction_destination] += size
+                largest = max(largest, size)
+        if len(loads) > 1:
+            # Largest first to the least loaded: the spread is at most one unit
+            # (plus the pinned 8-byte step on the chief's CPU).
+            assert max(loads.values()) - min(loads.values()) <= largest + 8, (strategy.id, loads)
+            checked += 1
+    assert checked > 50
+
+
+def test_all_reduce_groups_carry_balanced_bytes_and_one_dtype(samples):
+    checked = 0
+    for strategy in samples:
+        loads, largest, dtypes = collections.Counter(), collections.Counter(), {}
+        for var, _, size, node in units(strategy):
+            if node.WhichOneof("synchronizer") != "AllReduceSynchronizer" or var.sparse_grad:
+                continue
+            group = node.AllReduceSynchronizer.group
+            assert dtypes.setdefault(group, var.dtype) == var.dtype, (strategy.id, group)
+            loads[group] += size
+            largest[var.dtype] = max(largest[var.dtype], size)
+        for dtype in set(dtypes.values()):
+            group_loads = [loads[g] for g, d in dtypes.items() if d == dtype]
+            if len(group_loads) > 1:
+                assert max(group_loads) - min(group_loads) <= largest[dtype], (strategy.id, loads)
+                checked += 1
+    assert checked > 50
+
+
+def test_lossy_choices_are_off_by_default(samples):
+    for strategy in samples:
+        for _, name, _, node in units(strategy):
+            if node.WhichOneof("synchronizer") == "AllReduceSynchronizer":
+                assert node.AllReduceSynchronizer.compressor == NONE, (strategy.id, name)
+            else:
+                assert node.PSSynchronizer.staleness == 0 and node.PSSynchronizer.sync
+
+
+def test_variables_without_gradient_get_the_builders_config(samples):
+    expected = no_grad_node_config(BY_NAME["step"], PS_DEVICES)
+    assert all(s.node_config_by_name()["step"] == expected for s in samples)
+
+
+def test_samples_spread_over_synchronizers_servers_and_groups(samples):
+    ps_shares, servers, groups, proxies = [], set(), set(), 0
+    for strategy in samples:
+        kinds = [node.WhichOneof("synchronizer") for var, _, _, node in units(strategy)
+                 if var.has_grad]
+        ps_shares.append(kinds.count("PSSynchronizer") / len(kinds))
+        servers.add(len({n.PSSynchronizer.reduction_destination for v, _, _, n in units(strategy)
+                         if v.has_grad and n.WhichOneof("synchronizer") == "PSSynchronizer"}))
+        groups.add(len({n.AllReduceSynchronizer.group for _, _, _, n in units(strategy)
+                        if n.WhichOneof("synchronizer") == "AllReduceSynchronizer"}))
+        proxies += any(n.PSSynchronizer.local_replication for _, _, _, n in units(strategy)
+                       if n.WhichOneof("synchronizer") == "PSSynchronizer")
+    assert min(ps_shares) < 0.1 and max(ps_shares) > 0.9
+    assert {1, 2, 3} <= servers
+    assert 1 in groups and max(groups) >= 8
+    assert 20 < proxies < 200
+
+
+def test_lossy_choices_when_allowed():
+    constraints = SamplerConstraints(partition_threshold_bytes=10_000,
+                                     always_partition_bytes=200_000, allow_fp16=True,
+                                     max_staleness=3, sparse_all_reduce=False)
+    compressors, stalenesses = collections.Counter(), collections.Counter()
+    for strategy in sample_many(GRAPH, THREE_NODES, 200, seed=3, constraints=constraints):
+        compile_strategy(strategy, GRAPH, THREE_NODES)
+        per_group = {}
+        for var, name, _, node in units(strategy):
+            kind = node.WhichOneof("synchronizer")
+            if var.sparse_grad or not var.has_grad:
+                assert kind == "PSSynchronizer", (strategy.id, name)
+            if kind == "AllReduceSynchronizer":
+                sync = node.AllReduceSynchronizer
+                assert per_group.setdefault(sync.group, sync.compressor) == sync.compressor
+                compressors[sync.compressor] += 1
+            elif var.has_grad:
+                sync = node.PSSynchronizer
+                assert 0 <= sync.staleness <= 3 and sync.sync == (sync.staleness == 0)
+                stalenesses[sync.staleness] += 1
+    assert len(compressors) == 3 and set(stalenesses) == {0, 1, 2, 3}
+
+
+def test_max_groups_bounds_the_groups_of_each_dtype():
+    constraints = dataclasses.replace(CONSTRAINTS, max_groups=2)
+    most = collections.Counter()
+    for strategy in sample_many(GRAPH, THREE_NODES, 100, seed=5, constraints=constraints):
+        groups = collections.defaultdict(set)
+        for var, _, _, node in units(strategy):
+            if node.WhichOneof("synchronizer") == "AllReduceSynchronizer" and not var.sparse_grad:
+                groups[var.dtype].add(node.AllReduceSynchronizer.group)
+        for dtype, ids in groups.items():
+            assert len(ids) <= 2, (strategy.id, dtype, ids)
+            most[len(ids)] += 1
+    assert most[1] > 0 and most[2] > 0
+
+
+def test_sampling_is_deterministic_per_seed():
+    sampler = StrategySampler(GRAPH, THREE_NODES, CONSTRAINTS)
+    first = sampler.sample_many(30, seed=7)
+    assert first == StrategySampler(GRAPH, THREE_NODES, CONSTRAINTS).sample_many(30, seed=7)
+    assert [s.id for s in first] == [s.id for s in sampler.sample_many(30, seed=7)]
+    assert first != sampler.sample_many(30, seed=8)
+    assert sample(GRAPH, THREE_NODES, 42, CONSTRAINTS) == sampler.sample(random.Random(42))
+    # Equal content, equal id: the id is a digest, so duplicates are easy to drop.
+    assert len({s.id for s in first}) == len({str(s) for s in first})
+
+
+def test_balanced_groups_matches_the_shared_placement_rule():
+    rng = random.Random(0)
+    for _ in range(50):
+        items = [(f"u{i}", rng.choice([1, 5, 5, 40, 300, 4096])) for i in range(rng.randint(1, 60))]
+        ids = list(range(rng.randint(1, 12)))
+        expected, _ = common.balanced_placement(items, ids)
+        assert balanced_groups(items, ids) == expected
+
+
+def test_bad_constraints_are_named():
+    with pytest.raises(ValueError, match="always_partition_bytes must be >= partition_threshold"):
+        SamplerConstraints(partition_threshold_bytes=10, always_partition_bytes=5)
+    with pytest.raises(ValueError, match="min_partitions <= max_partitions"):
+        SamplerConstraints(min_partitions=4, max_partitions=3)
+    with pytest.raises(ValueError, match="staleness"):
+        SamplerConstraints(max_staleness=-1)
+
+
+def synthetic_variables(count, seed=0):
+    """A transformer-like graph: one large embedding, then layers of kernels, biases and norms."""
+    rng = random.Random(seed)
+    variables = [VariableInfo("embedding", (30000, 256), "float32", sparse_grad=True)]
+    while len(variables) < count:
+        i, width = len(variables), rng.choice([256, 512, 1024])
+        kind = i % 4
+        if kind == 0:
+            shape = (width, rng.choice([256, 1024, 4096]))
+            variables.append(VariableInfo(f"layer_{i}/kernel", shape, "float32"))
+        elif kind == 1:
+            variables.append(VariableInfo(f"layer_{i}/bias", (width,), "float32"))
+        elif kind == 2:
+            variables.append(VariableInfo(f"layer_{i}/gamma", (width,), "float32"))
+        else:
+            variables.append(VariableInfo(f"layer_{i}/beta", (width,), "float32"))
+    return variables
+
+
+def test_sampling_and_scoring_2000_candidates_of_a_400_variable_graph():
+    variables = synthetic_variables(400)
+    cluster = THREE_NODES
+    sampler = StrategySampler(variables, cluster, SamplerConstraints())
+    model = CostModel()
+    rng = random.Random(0)
+    start = time.perf_counter()
+    scores = [model.predict(sampler.sample(rng), variables, cluster, batch_size=32)
+              for _ in range(2000)]
+    elapsed = time.perf_counter() - start
+    print(f"\nsampled and scored 2000 candidates of 400 variables in {elapsed:.1f} s")
+    assert len(scores) == 2000 and min(scores) > 0
+    assert max(scores) / min(scores) > 1.3  # the candidates really differ
+    assert elapsed < 60
