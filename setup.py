@@ -16,6 +16,7 @@ setup(
     ],
     entry_points={"console_scripts": ["autodist=autodist.cli:main"]},
     extras_require={
-        "test": ["pytest", "pytest-timeout", "grpcio-tools>=1.85"],
+        "plot": ["matplotlib"],  # the strategy search's progress plot
+        "test": ["pytest", "pytest-timeout", "grpcio-tools>=1.85", "matplotlib"],
     },
 )

@@ -8,6 +8,10 @@ reports a user-facing failure by raising ``ValueError``, ``RuntimeError`` or
 
     autodist emulate up --nodes 2 --bandwidth 1gbit --out spec.yml
     autodist emulate down
+    autodist search train.py --spec spec.yml --trials 30 -- --steps 100
+
+Arguments after a bare ``--`` are passed on (``args.passthrough``): to the
+training script, for ``search`` and ``explain``.
 """
 
 import argparse
@@ -17,6 +21,7 @@ from typing import Callable, Sequence
 import yaml
 
 from autodist.cluster import emulate, probe
+from autodist.strategy.auto import commands as search_commands
 
 
 def _split(values: Sequence[str] | None) -> list[str]:
@@ -88,6 +93,8 @@ def _add_emulate(subparsers: argparse._SubParsersAction) -> None:
 SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
     "emulate": _add_emulate,
     "probe": probe.add_subcommand,
+    "search": search_commands.add_search_subcommand,
+    "explain": search_commands.add_explain_subcommand,
 }
 """Subcommand name -> function that registers its parser (see the module docstring)."""
 
@@ -115,7 +122,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         int: The exit status (0 on success, 1 on a reported error; usage
         errors exit with status 2 through argparse).
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passthrough = []
+    if "--" in argv:
+        argv, passthrough = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     args = build_parser().parse_args(argv)
+    args.passthrough = passthrough
     try:
         return args.func(args)
     except (ValueError, RuntimeError, OSError) as e:

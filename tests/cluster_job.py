@@ -79,7 +79,14 @@ def main() -> None:
     parser.add_argument("--save", help="checkpoint to write after training")
     args = parser.parse_args()
 
-    ad = AutoDist(args.spec, get_builder(args.builder))
+    if args.builder == "AutoStrategy":  # a small search: trials time 1 + 2 of this job's steps
+        from autodist.strategy import AutoStrategy
+        builder = AutoStrategy(trials=4, candidates=100, per_round=2, warmup=1, steps=2,
+                               log_dir=os.path.join(os.path.dirname(args.out), "search"),
+                               progress=False)
+    else:
+        builder = get_builder(args.builder)
+    ad = AutoDist(args.spec, builder)
     replicas = ad.resource_spec.replica_devices
     nodes = ordered_nodes(ad.resource_spec)
     mine = nodes[ad.node_index]

@@ -78,6 +78,33 @@ def test_cluster_training_equals_single_device(request, tmp_path, cluster_name, 
     _assert_no_job_left()
 
 
+@pytest.mark.timeout(420)
+def test_auto_strategy_searches_with_trials_on_the_cluster(two_nodes, tmp_path):
+    """The user's flow: AutoStrategy in the script; its trials are runs of the script itself."""
+    import json
+    from autodist.strategy import Strategy
+    cluster, spec = two_nodes
+    out = tmp_path / "variables.npz"
+    done = _run_job(cluster, spec, "AutoStrategy", out, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    trials = [json.loads(line) for line in
+              (tmp_path / "search" / "trials.jsonl").read_text().splitlines()]
+    assert len(trials) == 4 and all(t["error"] == "" and t["measured_s"] > 0 for t in trials)
+    best = Strategy.load(str(tmp_path / "search" / "best.strategy"))
+    assert best.id == min(trials, key=lambda t: t["measured_s"])["strategy_id"]
+    assert len(best.replicas) == 2
+    # Each trial ran the job's own steps (1 warm-up + 2 timed; the last ends the job).
+    for trial in range(1, 5):
+        log = (tmp_path / "search" / "trials" / f"trial-{trial:03d}.log").read_text()
+        assert "node 0 step 1 loss" in log and "node 0 step 2" not in log
+    # After the search the job trained with the result, exactly as one device would.
+    want = cluster_job.reference(sum(h.num_cpus for h in cluster.hosts), STEPS)
+    got = np.load(out)
+    for i, expected in enumerate(want):
+        np.testing.assert_allclose(got[f"arr_{i}"], expected, rtol=1e-5, atol=1e-5)
+    _assert_no_job_left()
+
+
 @pytest.mark.timeout(300)
 def test_checkpoint_of_a_cluster_job_resumes_under_another_strategy(three_nodes, tmp_path):
     """Parallax on 3 nodes saves; plain TF restores it; AllReduce resumes from it."""

@@ -6,6 +6,7 @@ from autodist.strategy.ps_builders import PS, PartitionedPS, PSLoadBalancing, Un
 
 __all__ = [
     "AllReduce",
+    "AutoStrategy",
     "BUILDERS",
     "PS",
     "Parallax",
@@ -45,3 +46,11 @@ def get_builder(name: str, **kwargs) -> StrategyBuilder:
     if name not in BUILDERS:
         raise ValueError(f"Unknown strategy builder name={name!r}; valid names are {sorted(BUILDERS)}.")
     return BUILDERS[name](**kwargs)
+
+
+def __getattr__(name: str):
+    # AutoStrategy brings the learned simulator (Keras); load it only when asked for.
+    if name == "AutoStrategy":
+        from autodist.strategy.auto.builder import AutoStrategy
+        return AutoStrategy
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

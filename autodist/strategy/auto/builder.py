@@ -1,0 +1,186 @@
+"""AutoStrategy: a builder that searches for the strategy, with the user's script as the trial.
+
+``AutoStrategy(trials=30)`` is used like any builder. At session creation the
+chief samples and scores candidate strategies, runs the most promising ones as
+trials (this same script, restarted under each strategy and timed over a few of
+its own steps) and returns the fastest measured. Everything it learns goes to
+``log_dir``:
+
+* ``trials.jsonl``: every trial (strategy id, source, predicted, measured);
+* ``best.strategy``: the result, to reuse with ``Strategy.load``;
+* ``search.png``: best time so far and hit rate against trials;
+* ``simulator.npz``: the trained simulator, picked up again by the next search
+  on the same graph and cluster;
+* ``trials/``: each trial's strategy, result and log.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+from typing import Optional
+
+from autodist.resource_spec import ResourceSpec
+from autodist.simulator.features import FEATURE_NAMES
+from autodist.simulator.ranking import RankingSimulator, SimulatorStateError
+from autodist.strategy import BUILDERS
+from autodist.strategy.auto.sampler import SamplerConstraints
+from autodist.strategy.auto.search import (SearchResult, StrategySearch, plot, prior_seconds,
+                                           write_log)
+from autodist.strategy.auto.trial import ScriptRunner
+from autodist.strategy.base import Strategy, StrategyBuilder
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchSettings:
+    """How a search runs; the arguments of :class:`AutoStrategy`."""
+
+    trials: int = 30
+    candidates: int = 2000
+    per_round: int = 4
+    batch_size: int = 32
+    allow_lossy: bool = False
+    with_builders: bool = True
+    warmup: int = 3
+    steps: int = 10
+    trial_timeout: float = 600.0
+    log_dir: str = "autodist_search"
+    seed: int = 0
+    progress: bool = True
+
+    def constraints(self) -> SamplerConstraints:
+        return SamplerConstraints(allow_fp16=self.allow_lossy,
+                                  max_staleness=2 if self.allow_lossy else 0)
+
+
+class AutoStrategy(StrategyBuilder):
+    """Searches for the fastest strategy of the graph on the cluster.
+
+    Args:
+        trials: real runs the search may spend; 0 picks by the simulator alone.
+        candidates: strategies sampled and scored per round.
+        per_round: trials per round (the simulator is retrained after each round).
+        batch_size: examples per replica and step, for the simulator's estimate
+            of sparse traffic.
+        allow_lossy: allow fp16 compression and bounded staleness, which
+            change the numbers training computes.
+        with_builders: open the search by measuring the hand-written builders
+            (within the budget); the result is then never slower than the best
+            of them, as measured.
+        warmup: a trial's steps before timing.
+        steps: a trial's timed steps.
+        trial_timeout: seconds a trial may take.
+        log_dir: where the log, the best strategy, the plot and the simulator go.
+        seed: seed of the sampler and the simulator.
+        progress: show a progress bar.
+
+    Note:
+        The script must train at least ``warmup + steps`` steps, fetching the
+        train op, and may not depend on anything that runs only once (a trial
+        restarts it from the beginning, with the resource spec of the search).
+    """
+
+    def __init__(self, trials: int = 30, candidates: int = 2000, per_round: int = 4,
+                 batch_size: int = 32, allow_lossy: bool = False, with_builders: bool = True,
+                 warmup: int = 3, steps: int = 10, trial_timeout: float = 600.0,
+                 log_dir: str = "autodist_search", seed: int = 0, progress: bool = True):
+        for name, value, least in (("trials", trials, 0), ("candidates", candidates, 1),
+                                   ("per_round", per_round, 1), ("batch_size", batch_size, 1),
+                                   ("warmup", warmup, 1), ("steps", steps, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"AutoStrategy: {name} must be an integer >= {least}, "
+                                 f"got {value!r}.")
+        self.settings = SearchSettings(trials, candidates, per_round, batch_size, allow_lossy,
+                                       with_builders, warmup, steps, trial_timeout, log_dir,
+                                       seed, progress)
+
+    def build(self, graph_item, resource_spec: ResourceSpec) -> Strategy:
+        argv = [os.path.abspath(sys.argv[0]), *sys.argv[1:]]
+        runner = ScriptRunner(argv, os.path.join(self.settings.log_dir, "trials"),
+                              spec_path=resource_spec.source, timeout=self.settings.trial_timeout)
+        return search_strategy(graph_item, resource_spec, runner, self.settings).best
+
+
+def search_strategy(graph, resource_spec: ResourceSpec, runner: Optional[ScriptRunner],
+                    settings: SearchSettings) -> SearchResult:
+    """Runs a search and writes its results to ``settings.log_dir``.
+
+    Args:
+        graph: a ``GraphItem`` or ``CapturedGraph`` (its ``trainable_variables``).
+        resource_spec: the cluster.
+        runner: runs the trials; unused with ``settings.trials == 0``.
+        settings: how to search.
+
+    Returns:
+        SearchResult: ``best`` is also saved as ``best.strategy``.
+    """
+    os.makedirs(settings.log_dir, exist_ok=True)
+    simulator_path = os.path.join(settings.log_dir, "simulator.npz")
+    key = _problem_key(graph, resource_spec)
+    search = StrategySearch(graph, resource_spec, batch_size=settings.batch_size,
+                            constraints=settings.constraints(), candidates=settings.candidates,
+                            per_round=settings.per_round, seed=settings.seed,
+                            simulator=_load_simulator(simulator_path, key))
+    if settings.trials == 0:
+        best = search.best_predicted()
+        result = SearchResult(best, None, [], None, search.simulator)
+    else:
+        builders = ({name: cls().build(graph, resource_spec) for name, cls in BUILDERS.items()}
+                    if settings.with_builders else {})
+        log_path = os.path.join(settings.log_dir, "trials.jsonl")
+        progress = _Progress(settings.trials) if settings.progress else None
+
+        def on_trial(entry, so_far):
+            write_log(log_path, so_far.trials)
+            if progress is not None:
+                progress.update(entry, so_far)
+
+        result = search.run(lambda s: runner.trial(s, settings.warmup, settings.steps),
+                            settings.trials, builders, on_trial)
+        plot(os.path.join(settings.log_dir, "search.png"), result)
+    result.best.save(os.path.join(settings.log_dir, "best.strategy"))
+    if search.simulator.trained:
+        search.simulator.save(simulator_path)
+        with open(f"{simulator_path}.key", "w") as key_file:
+            key_file.write(key)
+    return result
+
+
+class _Progress:
+    """A progress bar over trials with the best time so far and the hit rate."""
+
+    def __init__(self, trials: int):
+        import keras
+        self._bar = keras.utils.Progbar(trials, unit_name="trial",
+                                        stateful_metrics=["best_ms", "last_ms", "hit_rate"])
+
+    def update(self, entry, so_far: SearchResult) -> None:
+        values = [("last_ms", 1e3 * entry.result.seconds_per_step if entry.result.ok else -1.0)]
+        if so_far.best_seconds is not None:
+            values.append(("best_ms", 1e3 * so_far.best_seconds))
+        if so_far.hit_rate is not None:
+            values.append(("hit_rate", so_far.hit_rate))
+        self._bar.update(entry.index, values)
+
+
+def _problem_key(graph, resource_spec: ResourceSpec) -> str:
+    """Identifies a (model, cluster): the variables and the spec's nodes and links."""
+    variables = [dataclasses.astuple(v) for v in graph.trainable_variables]
+    nodes = [(n.address, list(n.cpus), list(n.gpus)) for n in resource_spec.nodes]
+    text = json.dumps([variables, nodes, sorted(resource_spec.network_bandwidth.items())],
+                      default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _load_simulator(path: str, key: str) -> Optional[RankingSimulator]:
+    """The saved simulator if it was trained on the same model and cluster."""
+    try:
+        with open(f"{path}.key") as key_file:
+            if key_file.read().strip() != key:
+                return None
+        simulator = RankingSimulator.load(path, prior=prior_seconds)
+    except (OSError, SimulatorStateError):
+        return None
+    return simulator if simulator.config.num_features == len(FEATURE_NAMES) else None

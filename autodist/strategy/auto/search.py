@@ -1,0 +1,305 @@
+"""The strategy search: sample, score, trust, diversify, measure, learn; repeat.
+
+Each round:
+
+1. the guided sampler draws many candidate strategies (``candidates``);
+2. the simulator scores them (lower = predicted faster);
+3. candidates scored above the simulator's *fidelity level* are dropped: the
+   score up to which its ranking of the measured trials is still at least 80%
+   right (before enough trials, nothing is dropped);
+4. ``per_round`` trial candidates are picked greedily, trading a good score
+   against being unlike every strategy picked or tried before;
+5. they run for real and their times are recorded;
+6. the simulator is retrained on every trial so far.
+
+The search ends when the trial budget is spent and returns the fastest
+strategy measured. The hand-written builders can open the search as trials:
+they anchor the simulator on strategies known to be sensible, set the bar that
+the *hit rate* counts against, and make sure the result is never worse than
+the best of them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Callable, Collection, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from autodist.simulator.cost_model import CostModel
+from autodist.simulator.features import FEATURE_NAMES, strategy_features
+from autodist.simulator.fidelity import fidelity_threshold
+from autodist.simulator.ranking import RankingSimulator
+from autodist.strategy.auto.sampler import SamplerConstraints, StrategySampler
+from autodist.strategy.auto.trial import TrialResult
+from autodist.strategy.base import Strategy
+
+FIDELITY_ACCURACY = 0.8
+MIN_TRIALS_FOR_FIDELITY = 4
+RECENT_TRIALS = 16
+DIVERSITY_WEIGHT = 0.5
+# Columns that say how a variable is synchronized: what diversity compares.
+_CHOICE_COLUMNS = [FEATURE_NAMES.index(name) for name in
+                   ("ps_share", "proxy_share", "log2_parts", "fp16_share", "log_shared_parts")]
+_TOTAL_MS = FEATURE_NAMES.index("log_total_ms")
+
+Measure = Callable[[Strategy], TrialResult]
+
+
+@dataclasses.dataclass
+class TrialRecord:
+    """One measured strategy.
+
+    Attributes:
+        index: 1-based position among the trials.
+        strategy: what ran.
+        source: ``"builder:<name>"`` or ``"search"``.
+        predicted: the simulator's score before the trial ran.
+        cost_model: the cost model's seconds for it.
+        result: the measurement.
+    """
+
+    index: int
+    strategy: Strategy
+    source: str
+    predicted: float
+    cost_model: float
+    result: TrialResult
+    features: np.ndarray = dataclasses.field(repr=False, default=None)
+
+    def to_json(self) -> dict:
+        return {"trial": self.index, "strategy_id": self.strategy.id, "source": self.source,
+                "predicted_s": self.predicted, "cost_model_s": self.cost_model,
+                "measured_s": self.result.seconds_per_step, "error": self.result.error,
+                "wall_s": round(self.result.wall_seconds, 2)}
+
+
+@dataclasses.dataclass
+class SearchResult:
+    """The outcome: the fastest measured strategy and the whole record."""
+
+    best: Strategy
+    best_seconds: Optional[float]
+    trials: List[TrialRecord]
+    baseline_seconds: Optional[float]   # the best hand-written builder's time
+    simulator: RankingSimulator
+
+    @property
+    def hit_rate(self) -> Optional[float]:
+        """Share of search trials faster than the best hand-written builder."""
+        searched = [t for t in self.trials if t.source == "search"]
+        if self.baseline_seconds is None or not searched:
+            return None
+        return sum(t.result.ok and t.result.seconds_per_step < self.baseline_seconds
+                   for t in searched) / len(searched)
+
+
+class StrategySearch:
+    """Searches strategies for one graph on one cluster.
+
+    Args:
+        variables: a ``GraphItem``, ``CapturedGraph`` or list of ``VariableInfo``.
+        resource_spec: the cluster.
+        batch_size: examples per replica and step (for the sparse traffic estimate).
+        constraints: what the sampler may choose.
+        candidates: strategies sampled per round.
+        per_round: trials per round.
+        seed: seed of the sampler.
+        simulator: a simulator to continue from; a fresh one starting from the
+            cost model if None.
+        cost_model: the predefined cost model.
+    """
+
+    def __init__(self, variables, resource_spec, *, batch_size: int = 32,
+                 constraints: SamplerConstraints = SamplerConstraints(), candidates: int = 2000,
+                 per_round: int = 4, seed: int = 0, simulator: Optional[RankingSimulator] = None,
+                 cost_model: Optional[CostModel] = None):
+        self._variables = list(getattr(variables, "trainable_variables", variables))
+        self._spec = resource_spec
+        self._batch_size = batch_size
+        self._sampler = StrategySampler(self._variables, resource_spec, constraints)
+        self._candidates = candidates
+        self._per_round = per_round
+        self._seed = seed
+        self._cost_model = cost_model or CostModel()
+        self.simulator = simulator or RankingSimulator(len(FEATURE_NAMES), prior=prior_seconds,
+                                                       seed=seed)
+
+    def features(self, strategy: Strategy) -> np.ndarray:
+        return strategy_features(strategy, self._variables, self._spec,
+                                 batch_size=self._batch_size, cost_model=self._cost_model)
+
+    def best_predicted(self, round_index: int = 0) -> Strategy:
+        """The candidate the simulator likes best, with no trial at all."""
+        candidates = self.candidates(round_index)
+        scores = self.simulator.score([self.features(c) for c in candidates])
+        return candidates[int(np.argmin(scores))]
+
+    def run(self, measure: Measure, trials: int, builders: Optional[Dict[str, Strategy]] = None,
+            on_trial: Optional[Callable[[TrialRecord, "SearchResult"], None]] = None
+            ) -> SearchResult:
+        """Spends ``trials`` measurements; returns the fastest strategy measured.
+
+        Args:
+            measure: runs a strategy for real.
+            trials: the budget, builder trials included.
+            builders: hand-written strategies (name -> strategy) to measure first,
+                those the cost model predicts fastest first, at most half the budget.
+            on_trial: called after every trial (progress, logs).
+
+        Raises:
+            RuntimeError: when every trial failed.
+        """
+        records: List[TrialRecord] = []
+        result = SearchResult(None, None, records, None, self.simulator)
+
+        def record(strategy, source, predicted, features):
+            outcome = measure(strategy)
+            entry = TrialRecord(len(records) + 1, strategy, source, predicted,
+                                prior_seconds(features), outcome, features)
+            records.append(entry)
+            _update(result, entry)
+            if on_trial is not None:
+                on_trial(entry, result)
+
+        # The builders the cost model likes best open, within half the budget.
+        seeds = sorted(((self.features(s), name, s) for name, s in (builders or {}).items()),
+                       key=lambda seed: prior_seconds(seed[0]))
+        for features, name, strategy in seeds[:max(1, trials // 2)]:
+            record(strategy, f"builder:{name}", float(self.simulator.score([features])[0]),
+                   features)
+        round_index = 0
+        while len(records) < trials:
+            picks = self._pick(round_index, records, min(self._per_round, trials - len(records)))
+            round_index += 1
+            for strategy, score, features in picks:
+                record(strategy, "search", score, features)
+            self._retrain(records)
+        if result.best is None:
+            raise RuntimeError(f"Every one of the {len(records)} trials failed; the first: "
+                               f"{records[0].result.error if records else 'none ran'}")
+        return result
+
+    def candidates(self, round_index: int, exclude: Collection[str] = ()) -> List[Strategy]:
+        """A round's samples, without duplicates and without the strategy ids ``exclude``."""
+        unique = {}
+        for strategy in self._sampler.sample_many(self._candidates,
+                                                  seed=self._seed * 100_003 + round_index):
+            if strategy.id not in exclude:
+                unique.setdefault(strategy.id, strategy)
+        return list(unique.values())
+
+    def _pick(self, round_index: int, records: List[TrialRecord], count: int) -> list:
+        """``count`` (strategy, score, features) to try next: good scores, unlike each other."""
+        candidates = self.candidates(round_index, {r.strategy.id for r in records})
+        features = [self.features(c) for c in candidates]
+        scores = self.simulator.score(features)
+        keep = np.arange(len(candidates))
+        measured = [r for r in records if r.result.ok]
+        if len(measured) >= MIN_TRIALS_FOR_FIDELITY:
+            # Judged on scores given before each trial was measured: scores after
+            # training on the trials would flatter the simulator.
+            recent = measured[-RECENT_TRIALS:]
+            level = fidelity_threshold([r.predicted for r in recent],
+                                       [r.result.seconds_per_step for r in recent],
+                                       FIDELITY_ACCURACY)
+            trusted = np.flatnonzero(scores <= level)
+            # Where the simulator is trusted nowhere, its best guesses still beat chance.
+            keep = trusted if trusted.size >= count else np.argsort(scores)[:max(count, 1)]
+        signatures = np.stack([_signature(features[i]) for i in keep])
+        closest = np.ones(len(keep))  # distance to the nearest strategy picked or tried
+        for entry in records:
+            closest = np.minimum(closest, _distances(signatures, _signature(entry.features)))
+        rank = np.empty(len(keep))
+        rank[np.argsort(scores[keep], kind="stable")] = np.arange(len(keep)) / len(keep)
+        picks = []
+        for _ in range(min(count, len(keep))):
+            best = int(np.argmax(-rank + DIVERSITY_WEIGHT * closest))
+            chosen = keep[best]
+            picks.append((candidates[chosen], float(scores[chosen]), features[chosen]))
+            closest = np.minimum(closest, _distances(signatures, signatures[best]))
+            rank[best] = np.inf  # never twice
+        return picks
+
+    def _retrain(self, records: List[TrialRecord]) -> None:
+        measured = [r for r in records if r.result.ok]
+        times = [r.result.seconds_per_step for r in measured]
+        if len(measured) < 2 or max(times) <= min(times) * 1.01:
+            return  # nothing to learn a ranking from yet
+        self.simulator.fit([r.features for r in measured], times)
+
+
+def _update(result: SearchResult, entry: TrialRecord) -> None:
+    seconds = entry.result.seconds_per_step
+    if seconds is None:
+        return
+    if result.best_seconds is None or seconds < result.best_seconds:
+        result.best, result.best_seconds = entry.strategy, seconds
+    if entry.source.startswith("builder:") and (result.baseline_seconds is None
+                                                or seconds < result.baseline_seconds):
+        result.baseline_seconds = seconds
+
+
+def prior_seconds(features: np.ndarray) -> float:
+    """The cost model's prediction from a feature sequence (every row carries it)."""
+    return float(math.expm1(features[0, _TOTAL_MS]) / 1e3) if len(features) else 0.0
+
+
+def _signature(features: np.ndarray) -> np.ndarray:
+    """How a strategy synchronizes each variable, flattened (one row per variable)."""
+    return features[:, _CHOICE_COLUMNS].ravel()
+
+
+def _distances(signatures: np.ndarray, other: np.ndarray) -> np.ndarray:
+    """How differently each strategy of ``signatures`` synchronizes than ``other``, 0 to 1."""
+    return np.mean(np.minimum(np.abs(signatures - other), 1.0), axis=1)
+
+
+def write_log(path: str, records: Sequence[TrialRecord]) -> None:
+    """The JSONL log of every trial."""
+    with open(path, "w") as log:
+        for entry in records:
+            log.write(json.dumps(entry.to_json()) + "\n")
+
+
+def plot(path: str, result: SearchResult) -> Optional[str]:
+    """Best time so far and hit rate against trials, as a PNG; None without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    index, best, hits = [], [], []
+    best_so_far, searched, hit = math.inf, 0, 0
+    for entry in result.trials:
+        if entry.result.ok:
+            best_so_far = min(best_so_far, entry.result.seconds_per_step)
+        if entry.source == "search":
+            searched += 1
+            hit += bool(entry.result.ok and result.baseline_seconds is not None
+                        and entry.result.seconds_per_step < result.baseline_seconds)
+        index.append(entry.index)
+        best.append(1e3 * best_so_far if math.isfinite(best_so_far) else np.nan)
+        hits.append(hit / searched if searched and result.baseline_seconds else np.nan)
+    figure, left = plt.subplots(figsize=(6.4, 3.6))
+    left.plot(index, best, marker="o", color="tab:blue", label="best so far")
+    if result.baseline_seconds is not None:
+        left.axhline(1e3 * result.baseline_seconds, color="tab:gray", linestyle="--",
+                     label="best hand-written builder")
+    left.set_xlabel("trial")
+    left.set_ylabel("time per step (ms)")
+    right = left.twinx()
+    right.plot(index, hits, color="tab:orange", label="hit rate")
+    right.set_ylabel("hit rate")
+    right.set_ylim(0, 1)
+    lines = left.get_legend_handles_labels()
+    more = right.get_legend_handles_labels()
+    left.legend(lines[0] + more[0], lines[1] + more[1], loc="upper right", fontsize="small")
+    figure.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
