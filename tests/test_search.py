@@ -135,3 +135,12 @@ def test_explain_names_a_missing_script(tmp_path, capsys):
     BUILDERS["PS"]().build(synthetic_graph(2), heterogeneous_cluster()).save(str(strategy))
     assert cli.main(["explain", str(strategy), "--script", str(tmp_path / "nope.py")]) == 1
     assert "nope.py' does not exist" in capsys.readouterr().err
+
+
+def test_a_search_stops_when_every_strategy_was_tried():
+    """A single tiny variable on 4 nodes has only a handful of strategies."""
+    graph = CapturedGraph([VariableInfo("w", (4,), "float32")], "tiny", "tiny")
+    search = StrategySearch(graph, heterogeneous_cluster(), candidates=200, per_round=4)
+    result = search.run(lambda s: TrialResult(0.1 + int(s.id[-4:], 16) * 1e-6), trials=60)
+    ids = [t.strategy.id for t in result.trials]
+    assert 2 < len(ids) < 60 and len(set(ids)) == len(ids)

@@ -174,6 +174,8 @@ class StrategySearch:
         while len(records) < trials:
             picks = self._pick(round_index, records, min(self._per_round, trials - len(records)))
             round_index += 1
+            if not picks:
+                break  # a small model: every strategy the sampler draws was tried
             for strategy, score, features in picks:
                 record(strategy, "search", score, features)
             self._retrain(records)
@@ -194,6 +196,8 @@ class StrategySearch:
     def _pick(self, round_index: int, records: List[TrialRecord], count: int) -> list:
         """``count`` (strategy, score, features) to try next: good scores, unlike each other."""
         candidates = self.candidates(round_index, {r.strategy.id for r in records})
+        if not candidates:
+            return []
         features = [self.features(c) for c in candidates]
         scores = self.simulator.score(features)
         keep = np.arange(len(candidates))
