@@ -1,0 +1,275 @@
+"""AutoStrategy against every hand-written builder, on three emulated clusters.
+
+Settings (models in ``auto_models.py``):
+
+* ``embedding``: a 100k x 64 embedding plus dense layers, 4 nodes at 1 Gbit/s;
+* ``bert``: a small BERT-like encoder (about 200 variables), 4 nodes, two at
+  2.5 Gbit/s and two at 500 Mbit/s;
+* ``mlp``: three 2048 x 2048 matrices, 3 nodes at 1 Gbit/s.
+
+Per setting, inside the chief's namespace: the search (``autodist search``'s
+code, ``--trials`` trials, the builders opening it); then ``--held-out``
+sampled strategies never tried, measured, to rate the simulators' ranking
+(Kendall tau of the cost model alone and of the trained simulator); then every
+builder and AutoStrategy's result measured side by side, ``--repeats`` rounds,
+interleaved, median per strategy. One trial = a fresh run of the training
+script on every node, ``--warmup`` steps, then ``--steps`` timed ones.
+
+Also: the time to sample and score 2000 candidates of a 400-variable graph.
+
+Usage (root, iproute2):
+    python benchmarks/auto_vs_builders.py                      # everything, writes docs
+    python benchmarks/auto_vs_builders.py --settings mlp --trials 8 --no-write
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import report
+
+ENV = {"AUTODIST_INTRA_OP_THREADS": "1", "AUTODIST_INTER_OP_THREADS": "2",
+       "TF_CPP_MIN_LOG_LEVEL": "2"}
+os.environ.update({k: os.environ.get(k, v) for k, v in ENV.items()})  # before TensorFlow loads
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+BEGIN, END = "<!-- auto_vs_builders:begin -->", "<!-- auto_vs_builders:end -->"
+CLUSTER_NAME = "adauto"
+SETTINGS = {
+    "embedding": {"model": "embedding", "rates": ["1gbit"] * 4, "batch": 16,
+                  "what": "one 100k x 64 embedding + dense layers, 4 nodes at 1 Gbit/s"},
+    "bert": {"model": "bert", "rates": ["2.5gbit", "2.5gbit", "500mbit", "500mbit"], "batch": 4,
+             "what": "small BERT-like encoder (~200 variables), 2 nodes at 2.5 Gbit/s "
+                     "+ 2 at 500 Mbit/s"},
+    "mlp": {"model": "mlp", "rates": ["1gbit"] * 3, "batch": 16,
+            "what": "three 2048 x 2048 dense layers, 3 nodes at 1 Gbit/s"},
+}
+GOAL_SPEEDUP, GOAL_FLOOR = 1.2, 0.95
+
+
+# --------------------------------------------------------------------------- one setting (chief netns)
+
+def run_setting(args) -> dict:
+    """Search, held-out ranking and the side-by-side comparison of one setting."""
+    from autodist.resource_spec import ResourceSpec
+    from autodist.simulator.fidelity import kendall_tau
+    from autodist.strategy import BUILDERS
+    from autodist.strategy.auto.builder import SearchSettings, search_strategy
+    from autodist.strategy.auto.search import StrategySearch, prior_seconds
+    from autodist.strategy.auto.trial import ScriptRunner
+
+    setting = SETTINGS[args.setting]
+    script = [os.path.join(HERE, "auto_models.py"), "--model", setting["model"], "--spec",
+              args.spec, "--steps", "100000", "--batch", str(setting["batch"])]
+    runner = ScriptRunner(script, os.path.join(args.workdir, "trials"), spec_path=args.spec,
+                          timeout=900)
+    captured = runner.capture()
+    spec = ResourceSpec(args.spec)
+    settings = SearchSettings(trials=args.trials, batch_size=setting["batch"],
+                              warmup=args.warmup, steps=args.steps,
+                              log_dir=os.path.join(args.workdir, "search"), seed=args.seed)
+    start = time.monotonic()
+    result = search_strategy(captured, spec, runner, settings)
+    search_seconds = time.monotonic() - start
+    search_log = [t.to_json() for t in result.trials]
+
+    # Held-out strategies: sampled, never tried; how well does each simulator rank them?
+    held_out = []
+    if args.held_out:
+        fresh = StrategySearch(captured, spec, batch_size=setting["batch"],
+                               candidates=3 * args.held_out, seed=args.seed + 7919)
+        held_out = fresh.candidates(0, {t.strategy.id for t in result.trials})[:args.held_out]
+    measured, features = [], []
+    for strategy in held_out:
+        outcome = runner.trial(strategy, args.warmup, args.steps)
+        if outcome.ok:
+            measured.append(outcome.seconds_per_step)
+            features.append(fresh.features(strategy))
+    ranking = {}
+    if len(measured) >= 2:
+        ranking = {"held_out": len(measured),
+                   "tau_cost_model": kendall_tau([prior_seconds(f) for f in features], measured),
+                   "tau_trained": kendall_tau(result.simulator.score(features), measured)}
+
+    # Side by side: every builder and AutoStrategy's result, interleaved rounds.
+    contenders = {name: cls().build(captured, spec) for name, cls in BUILDERS.items()}
+    contenders["AutoStrategy"] = result.best
+    times = {name: [] for name in contenders}
+    for _ in range(args.repeats):
+        for name, strategy in contenders.items():
+            outcome = runner.trial(strategy, args.warmup, args.steps)
+            if outcome.ok:
+                times[name].append(outcome.seconds_per_step)
+    return {"setting": args.setting, "search_seconds": search_seconds, "trials": search_log,
+            "medians": {n: statistics.median(t) if t else None for n, t in times.items()},
+            "times": times, "ranking": ranking, "best_source": next(
+                t.source for t in result.trials if t.strategy.id == result.best.id),
+            "plot": os.path.join(args.workdir, "search", "search.png")}
+
+
+# --------------------------------------------------------------------------- sampling speed
+
+def sampling_speed(count: int = 2000, num_vars: int = 400) -> dict:
+    """Seconds to sample and score ``count`` candidates of a ``num_vars``-variable graph."""
+    from autodist.graph_item import VariableInfo
+    from autodist.resource_spec import ResourceSpec
+    from autodist.strategy.auto.search import StrategySearch
+
+    rng = random.Random(0)
+    variables = [VariableInfo(f"layer{i // 16}/v{i}", (rng.choice([128, 1024, 4096]),
+                                                       rng.choice([128, 1024])), "float32",
+                              sparse_grad=i == 0) for i in range(num_vars)]
+    spec = ResourceSpec.from_dict({"nodes": [
+        {"address": f"10.123.0.{i + 1}", "cpus": [0], "chief": i == 0} for i in range(4)]})
+    search = StrategySearch(variables, spec, candidates=count)
+    start = time.monotonic()
+    candidates = search.candidates(0)
+    sampled = time.monotonic() - start
+    search.simulator.score([search.features(c) for c in candidates])
+    return {"candidates": len(candidates), "variables": num_vars,
+            "sample_s": sampled, "total_s": time.monotonic() - start}
+
+
+# --------------------------------------------------------------------------- driver
+
+def _speedup(result: dict) -> tuple:
+    """(best builder's name, its time / AutoStrategy's time) from the side-by-side medians."""
+    medians = result["medians"]
+    builders = {n: t for n, t in medians.items() if n != "AutoStrategy" and t}
+    best = min(builders, key=builders.get)
+    auto = medians["AutoStrategy"]
+    return best, builders[best] / auto if auto else 0.0
+
+
+def _hit_rate(trials: list) -> float:
+    """Share of the search's own trials faster than the best builder trial."""
+    baseline = min(t["measured_s"] for t in trials
+                   if t["source"].startswith("builder:") and t["measured_s"])
+    searched = [t for t in trials if t["source"] == "search"]
+    return sum(bool(t["measured_s"]) and t["measured_s"] < baseline
+               for t in searched) / max(len(searched), 1)
+
+
+def _section(results: list, speed: dict, args) -> str:
+    info = report.machine_info()
+    ratios = [_speedup(r)[1] for r in results]
+    wins = sum(ratio >= GOAL_SPEEDUP for ratio in ratios)
+    floor_ok = all(ratio >= GOAL_FLOOR for ratio in ratios)
+    verdict = "holds" if wins >= 2 and floor_ok else "does not hold"
+    lines = [BEGIN, "## AutoStrategy vs. the hand-written builders (`auto_vs_builders`)", "",
+             f"Per-iteration time (ms, median of {args.repeats} interleaved runs, each "
+             f"{args.warmup} warm-up + {args.steps} timed steps of a fresh job) of every "
+             f"builder and of AutoStrategy's result after {args.trials} trials, on emulated "
+             "clusters (`autodist emulate`, one CPU replica per node), measured side by side.", "",
+             f"**Goal:** AutoStrategy at least {GOAL_SPEEDUP}x faster than the best builder on "
+             f"two of three settings, never below {GOAL_FLOOR}x. **Result:** the goal "
+             f"**{verdict}** ({wins} of {len(results)} settings at >= {GOAL_SPEEDUP}x; "
+             f"lowest {min(ratios):.2f}x).", ""]
+    for r, ratio in zip(results, ratios):
+        best_name = _speedup(r)[0]
+        auto = r["medians"]["AutoStrategy"]
+        lines += [f"### {r['setting']}: {SETTINGS[r['setting']]['what']}", "",
+                  "| strategy | ms per step | vs. AutoStrategy |", "|---|--:|--:|"]
+        for name, t in sorted(r["medians"].items(), key=lambda kv: kv[1] or float("inf")):
+            shown = f"**{name}**" if name == "AutoStrategy" else name
+            lines.append(f"| {shown} | {1e3 * t:.1f} | {t / auto:.2f}x |" if t and auto
+                         else f"| {shown} | failed | |")
+        lines += ["", f"Best builder {best_name}; AutoStrategy **{ratio:.2f}x** (its strategy "
+                      f"came from {r['best_source']}). Search: {len(r['trials'])} trials in "
+                      f"{r['search_seconds'] / 60:.1f} min, hit rate {_hit_rate(r['trials']):.0%} "
+                      "(search trials faster than the best builder trial)."]
+        ranking = r["ranking"]
+        if ranking:
+            lines.append(f"Ranking of {ranking['held_out']} held-out strategies, Kendall tau: "
+                         f"cost model alone {ranking['tau_cost_model']:.2f}, trained simulator "
+                         f"{ranking['tau_trained']:.2f} (goal >= 0.7).")
+        lines += ["", f"![search progress: {r['setting']}](auto_search_{r['setting']}.png)", ""]
+    lines += [f"Sampling and scoring {speed['candidates']} candidates of a {speed['variables']}-"
+              f"variable graph: {speed['total_s']:.1f} s ({speed['sample_s']:.1f} s sampling; "
+              "goal <= 30 s).", "",
+              f"Measured {info['date']} on {info['cores']} cores ({info['cpu']}), TensorFlow "
+              f"{info['tf']}, Python {info['python']}; 1-minute load {info['load']} at the end.",
+              END]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--trials", type=int, default=30)
+    parser.add_argument("--held-out", type=int, default=20,
+                        help="sampled strategies measured to rate the simulators' ranking")
+    parser.add_argument("--held-out-in", nargs="+", choices=list(SETTINGS),
+                        help="settings that measure held-out strategies (default: all)")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks.md"))
+    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--_setting", dest="setting", help=argparse.SUPPRESS)
+    parser.add_argument("--_spec", dest="spec", help=argparse.SUPPRESS)
+    parser.add_argument("--_workdir", dest="workdir", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.setting:  # inside the chief's namespace
+        print("AUTO_RESULT " + json.dumps(run_setting(args)), flush=True)
+        return 0
+
+    import yaml
+    from autodist.cluster import emulate
+    speed = sampling_speed()
+    print(f"sampling+scoring: {speed}", flush=True)
+    results = []
+    workroot = tempfile.mkdtemp(prefix="auto_vs_builders.")
+    for name in args.settings:
+        setting = SETTINGS[name]
+        emulate.down(CLUSTER_NAME)
+        with emulate.emulated_cluster(len(setting["rates"]), setting["rates"],
+                                      name=CLUSTER_NAME) as cluster:
+            workdir = os.path.join(workroot, name)
+            os.makedirs(workdir)
+            spec = os.path.join(workdir, "spec.yml")
+            with open(spec, "w") as f:
+                yaml.safe_dump(emulate.spec_dict(cluster), f)
+            command = [*cluster.hosts[0].launch_prefix, sys.executable, os.path.abspath(__file__),
+                       "--_setting", name, "--_spec", spec, "--_workdir", workdir,
+                       "--trials", str(args.trials),
+                       "--held-out", str(args.held_out if name in (args.held_out_in or [name])
+                                         else 0),
+                       "--repeats", str(args.repeats), "--warmup", str(args.warmup),
+                       "--steps", str(args.steps), "--seed", str(args.seed)]
+            print(f"[{name}] {setting['what']}", flush=True)
+            done = subprocess.run(command, stdout=subprocess.PIPE, text=True)
+            tagged = [line for line in done.stdout.splitlines() if line.startswith("AUTO_RESULT ")]
+            if done.returncode != 0 or not tagged:
+                print(f"[{name}] failed (exit {done.returncode}); work files in {workdir}")
+                return 1
+            result = json.loads(tagged[-1][len("AUTO_RESULT "):])
+            print(f"[{name}] medians (ms): "
+                  + ", ".join(f"{n} {1e3 * t:.1f}" for n, t in result["medians"].items() if t),
+                  f"ranking: {result['ranking']}", flush=True)
+            results.append(result)
+            if not args.no_write and os.path.exists(result["plot"]):
+                shutil.copy(result["plot"], os.path.join(os.path.dirname(args.out),
+                                                         f"auto_search_{name}.png"))
+    section = _section(results, speed, args)
+    print(section)
+    if not args.no_write:
+        report.write_section(args.out, section, BEGIN, END)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
