@@ -261,13 +261,12 @@ def main(argv=None) -> int:
                   + ", ".join(f"{n} {1e3 * t:.1f}" for n, t in result["medians"].items() if t),
                   f"ranking: {result['ranking']}", flush=True)
             results.append(result)
-            if not args.no_write and os.path.exists(result["plot"]):
-                shutil.copy(result["plot"], os.path.join(os.path.dirname(args.out),
-                                                         f"auto_search_{name}.png"))
-    section = _section(results, speed, args)
-    print(section)
-    if not args.no_write:
-        report.write_section(args.out, section, BEGIN, END)
+            if not args.no_write:  # after every setting: a long run stopped early keeps its part
+                if os.path.exists(result["plot"]):
+                    shutil.copy(result["plot"], os.path.join(os.path.dirname(args.out),
+                                                             f"auto_search_{name}.png"))
+                report.write_section(args.out, _section(results, speed, args), BEGIN, END)
+    print(_section(results, speed, args))
     return 0
 
 

@@ -34,6 +34,7 @@ TOKEN_ENV = "AUTODIST_JOB_TOKEN"
 TOKEN_METADATA_KEY = "autodist-job-token"
 _CHIEF_FINGERPRINT_KEY = "autodist-chief-fingerprint-bin"
 _REFUSED = "refused: bad or missing job token"
+_DONE_TIMEOUT_S = 2.0
 _Status = service_pb2.StatusReport.Status
 
 logger = logging.getLogger(__name__)
@@ -440,9 +441,10 @@ class StrategyClient:
         request = service_pb2.GetStrategyRequest(node=self._node, fingerprint=fingerprint)
         return Strategy(self._call("GetStrategy", request).strategy)
 
-    def _report(self, status: int, message: str = "") -> None:
+    def _report(self, status: int, message: str = "", **call_options) -> None:
         self._call("ReportStatus",
-                   service_pb2.StatusReport(node=self._node, status=status, message=message))
+                   service_pb2.StatusReport(node=self._node, status=status, message=message),
+                   **call_options)
 
     def report_ready(self) -> None:
         """Tells the chief this worker is ready to train.
@@ -466,10 +468,13 @@ class StrategyClient:
     def report_done(self) -> None:
         """Tells the chief this worker finished normally, so its silence is not a failure.
 
+        The chief may already be gone (all nodes end together), so this does
+        not wait for its service to come up, which would hold the worker's exit.
+
         Raises:
             ServiceError: if the chief is unreachable or refuses the call.
         """
-        self._report(_Status.DONE)
+        self._report(_Status.DONE, timeout=_DONE_TIMEOUT_S, wait_for_ready=False)
 
     def start_heartbeat(self, interval: float = 2.0,
                         on_chief_lost: Optional[Callable[[], None]] = None,
