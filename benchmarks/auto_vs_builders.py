@@ -168,9 +168,11 @@ def _section(results: list, speed: dict, args) -> str:
     wins = sum(ratio >= GOAL_SPEEDUP for ratio in ratios)
     floor_ok = all(ratio >= GOAL_FLOOR for ratio in ratios)
     verdict = "holds" if wins >= 2 and floor_ok else "does not hold"
+    runs = ("one run per strategy, strategies in turn" if args.repeats == 1
+            else f"median of {args.repeats} interleaved runs")
     lines = [BEGIN, "## AutoStrategy vs. the hand-written builders (`auto_vs_builders`)", "",
-             f"Per-iteration time (ms, median of {args.repeats} interleaved runs, each "
-             f"{args.warmup} warm-up + {args.steps} timed steps of a fresh job) of every "
+             f"Per-iteration time (ms; {runs}, each {args.warmup} warm-up + "
+             f"{args.steps} timed steps of a fresh job) of every "
              f"builder and of AutoStrategy's result after {args.trials} trials, on emulated "
              "clusters (`autodist emulate`, one CPU replica per node), measured side by side.", "",
              f"**Goal:** AutoStrategy at least {GOAL_SPEEDUP}x faster than the best builder on "
