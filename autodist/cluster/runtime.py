@@ -226,9 +226,9 @@ class WorkerAgent:
         this node's server must outlive the chief's last reads of them."""
         try:
             self._client.report_done()
+            self._client.wait_until_chief_gone()
         except ServiceError:
-            pass  # the chief may be gone already; if not, the wait below holds
-        self._client.wait_until_chief_gone()
+            pass
         self._client.close()
 
 

@@ -34,7 +34,6 @@ TOKEN_ENV = "AUTODIST_JOB_TOKEN"
 TOKEN_METADATA_KEY = "autodist-job-token"
 _CHIEF_FINGERPRINT_KEY = "autodist-chief-fingerprint-bin"
 _REFUSED = "refused: bad or missing job token"
-_DONE_TIMEOUT_S = 2.0
 _Status = service_pb2.StatusReport.Status
 
 logger = logging.getLogger(__name__)
@@ -441,10 +440,9 @@ class StrategyClient:
         request = service_pb2.GetStrategyRequest(node=self._node, fingerprint=fingerprint)
         return Strategy(self._call("GetStrategy", request).strategy)
 
-    def _report(self, status: int, message: str = "", **call_options) -> None:
+    def _report(self, status: int, message: str = "") -> None:
         self._call("ReportStatus",
-                   service_pb2.StatusReport(node=self._node, status=status, message=message),
-                   **call_options)
+                   service_pb2.StatusReport(node=self._node, status=status, message=message))
 
     def report_ready(self) -> None:
         """Tells the chief this worker is ready to train.
@@ -468,13 +466,10 @@ class StrategyClient:
     def report_done(self) -> None:
         """Tells the chief this worker finished normally, so its silence is not a failure.
 
-        The chief may already be gone (all nodes end together), so this does
-        not wait for its service to come up, which would hold the worker's exit.
-
         Raises:
             ServiceError: if the chief is unreachable or refuses the call.
         """
-        self._report(_Status.DONE, timeout=_DONE_TIMEOUT_S, wait_for_ready=False)
+        self._report(_Status.DONE)
 
     def start_heartbeat(self, interval: float = 2.0,
                         on_chief_lost: Optional[Callable[[], None]] = None,
