@@ -54,6 +54,14 @@ def _run_job(cluster, spec, builder, out, *extra, timeout=150):
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def _assert_trained_like_one_device(cluster, out, steps):
+    """The chief's saved variables equal single-device training on the global batch."""
+    want = cluster_job.reference(sum(h.num_cpus for h in cluster.hosts), steps)
+    got = np.load(out)
+    for i, expected in enumerate(want):
+        np.testing.assert_allclose(got[f"arr_{i}"], expected, rtol=1e-5, atol=1e-5)
+
+
 def _assert_no_job_left():
     left = subprocess.run(["pgrep", "-f", JOB], capture_output=True, text=True).stdout.split()
     assert not left, f"job processes left behind: {left}"
@@ -67,11 +75,7 @@ def test_cluster_training_equals_single_device(request, tmp_path, cluster_name, 
     out = tmp_path / "variables.npz"
     done = _run_job(cluster, spec, builder, out)
     assert done.returncode == 0, done.stderr[-3000:]
-    replicas = sum(h.num_cpus for h in cluster.hosts)
-    want = cluster_job.reference(replicas, STEPS)
-    got = np.load(out)
-    for i, expected in enumerate(want):
-        np.testing.assert_allclose(got[f"arr_{i}"], expected, rtol=1e-5, atol=1e-5)
+    _assert_trained_like_one_device(cluster, out, STEPS)
     # Every node trained: each printed its last step.
     for node in range(len(cluster.hosts)):
         assert f"node {node} step {STEPS - 1} loss" in done.stdout
@@ -98,10 +102,7 @@ def test_auto_strategy_searches_with_trials_on_the_cluster(two_nodes, tmp_path):
         log = (tmp_path / "search" / "trials" / f"trial-{trial:03d}.log").read_text()
         assert "node 0 step 1 loss" in log and "node 0 step 2" not in log
     # After the search the job trained with the result, exactly as one device would.
-    want = cluster_job.reference(sum(h.num_cpus for h in cluster.hosts), STEPS)
-    got = np.load(out)
-    for i, expected in enumerate(want):
-        np.testing.assert_allclose(got[f"arr_{i}"], expected, rtol=1e-5, atol=1e-5)
+    _assert_trained_like_one_device(cluster, out, STEPS)
     _assert_no_job_left()
 
 
@@ -122,10 +123,7 @@ def test_checkpoint_of_a_cluster_job_resumes_under_another_strategy(three_nodes,
 
     second = _run_job(cluster, spec, "AllReduce", tmp_path / "second.npz", "--restore", checkpoint)
     assert second.returncode == 0, second.stderr[-3000:]
-    want = cluster_job.reference(sum(h.num_cpus for h in cluster.hosts), 2 * STEPS)
-    got = np.load(tmp_path / "second.npz")
-    for i, expected in enumerate(want):
-        np.testing.assert_allclose(got[f"arr_{i}"], expected, rtol=1e-5, atol=1e-5)
+    _assert_trained_like_one_device(cluster, tmp_path / "second.npz", 2 * STEPS)
     _assert_no_job_left()
 
 

@@ -29,7 +29,6 @@ class _Bound:
     """The saver's ops in one distributed graph."""
 
     saver: tf.compat.v1.train.Saver
-    shapes: dict            # checkpoint name -> full shape
     release: list           # chief: lets every worker go on after a restore
     wait: Optional[tf.Operation] = None  # worker: waits for the chief's restore
 
@@ -140,7 +139,7 @@ class Saver:
             raise ValueError("autodist.checkpoint.Saver.restore: save_path is None; "
                              "is there a checkpoint (latest_checkpoint returned None)?")
         bound = self._bind(sess)
-        _check_checkpoint(save_path, bound.shapes)
+        _check_checkpoint(save_path, self._shapes)
         bound.saver.restore(sess.tf_session, save_path)
         if bound.release:
             sess.tf_session.run(bound.release)
@@ -192,7 +191,7 @@ class Saver:
                            for w in range(1, ctx.num_nodes)]
             elif ctx.multi_node:
                 wait = token_queue(ctx.node_index, ctx, _RESTORED).dequeue().op
-        return _Bound(saver, dict(self._shapes), release, wait)
+        return _Bound(saver, release, wait)
 
     def _single_device_meta_graph(self):
         if self._meta_graph is None:
