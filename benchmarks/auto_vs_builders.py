@@ -113,6 +113,7 @@ def run_setting(args) -> dict:
             if outcome.ok:
                 times[name].append(outcome.seconds_per_step)
     return {"setting": args.setting, "search_seconds": search_seconds, "trials": search_log,
+            "hit_rate": result.hit_rate,
             "medians": {n: statistics.median(t) if t else None for n, t in times.items()},
             "times": times, "ranking": ranking, "best_source": next(
                 t.source for t in result.trials if t.strategy.id == result.best.id),
@@ -153,15 +154,6 @@ def _speedup(result: dict) -> tuple:
     return best, builders[best] / auto if auto else 0.0
 
 
-def _hit_rate(trials: list) -> float:
-    """Share of the search's own trials faster than the best builder trial."""
-    baseline = min(t["measured_s"] for t in trials
-                   if t["source"].startswith("builder:") and t["measured_s"])
-    searched = [t for t in trials if t["source"] == "search"]
-    return sum(bool(t["measured_s"]) and t["measured_s"] < baseline
-               for t in searched) / max(len(searched), 1)
-
-
 def _section(results: list, speed: dict, args) -> str:
     info = report.machine_info()
     ratios = [_speedup(r)[1] for r in results]
@@ -190,7 +182,7 @@ def _section(results: list, speed: dict, args) -> str:
                          else f"| {shown} | failed | |")
         lines += ["", f"Best builder {best_name}; AutoStrategy **{ratio:.2f}x** (its strategy "
                       f"came from {r['best_source']}). Search: {len(r['trials'])} trials in "
-                      f"{r['search_seconds'] / 60:.1f} min, hit rate {_hit_rate(r['trials']):.0%} "
+                      f"{r['search_seconds'] / 60:.1f} min, hit rate {r['hit_rate'] or 0:.0%} "
                       "(search trials faster than the best builder trial)."]
         ranking = r["ranking"]
         if ranking:
