@@ -216,3 +216,25 @@ def test_ctrl_c_on_the_chief_stops_every_worker(two_nodes, tmp_path):
     assert chief.returncode != 0
     time.sleep(1)
     _assert_no_job_left()
+
+
+@pytest.mark.timeout(180)
+def test_a_chief_killed_outright_takes_its_workers_with_it(two_nodes, tmp_path):
+    """SIGKILL leaves the chief no chance to stop its workers; the kernel ends them."""
+    cluster, spec = two_nodes
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    chief = subprocess.Popen([*cluster.hosts[0].launch_prefix, sys.executable, "-u", JOB, spec,
+                              "PS", str(tmp_path / "v.npz"), "--steps", "100000"],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                             env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not chief.stdout.readline().startswith("node 1 step"):
+            pass
+        chief.kill()
+        chief.wait(timeout=30)
+    finally:
+        if chief.poll() is None:
+            chief.kill()
+    time.sleep(2)  # well below the 30 s after which an orphan notices the silent chief
+    _assert_no_job_left()

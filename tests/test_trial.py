@@ -1,11 +1,17 @@
 """Trials: the README's example script captured and timed under candidate strategies."""
 import os
+import socket
+import threading
+import time
 
 import pytest
 
+from autodist.cluster import runtime
 from autodist.resource_spec import ResourceSpec
 from autodist.strategy import PS, AllReduce, common
+from autodist.strategy.auto import trial
 from autodist.strategy.auto.trial import ScriptRunner
+from autodist.strategy.base import Strategy
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "train_mlp.py")
 
@@ -60,3 +66,46 @@ def test_the_search_spec_overrides_the_scripts_own(spec_path_4cpu, tmp_path):
     assert len(strategy.replicas) == 4
     result = runner.trial(strategy, warmup=1, steps=2)
     assert result.ok, result.error
+
+
+HANGS_ON_SECOND_RUN = """
+import json, os, sys, time
+settings = json.loads(os.environ["AUTODIST_TRIAL"])
+with open(sys.argv[1], "a") as pids:
+    pids.write(f"{os.getpid()}\\n")
+if len(open(sys.argv[1]).read().split()) > 1:
+    time.sleep(1000)
+with open(settings["result"], "w") as result:
+    json.dump({"seconds_per_step": 0.5}, result)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_trial_far_slower_than_earlier_ones_is_stopped_as_a_hang(tmp_path, monkeypatch):
+    monkeypatch.setattr(trial, "HANG_FLOOR_S", 3.0)
+    script, pids = tmp_path / "hangs.py", tmp_path / "pids"
+    script.write_text(HANGS_ON_SECOND_RUN)
+    runner = ScriptRunner([str(script), str(pids)], str(tmp_path / "work"), timeout=600)
+    strategy = Strategy()
+    assert runner.trial(strategy).seconds_per_step == 0.5
+    start = time.monotonic()
+    second = runner.trial(strategy)
+    assert not second.ok and "timed out after 3 s" in second.error
+    assert time.monotonic() - start < 30
+    hung = int(pids.read_text().split()[1])
+    with pytest.raises(ProcessLookupError):
+        os.kill(hung, 0)
+
+
+def test_a_trial_waits_until_the_previous_jobs_ports_are_free(monkeypatch):
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.2", 0))
+        listener.listen()
+        monkeypatch.setenv(runtime.TF_PORT_ENV, str(listener.getsockname()[1]))
+        spec = ResourceSpec.from_dict({"nodes": [{"address": "127.0.0.1", "chief": True},
+                                                 {"address": "127.0.0.2"}]})
+        start = time.monotonic()
+        assert not runtime.wait_until_tf_ports_free(spec, timeout=1.0)
+        assert time.monotonic() - start >= 1.0
+        threading.Timer(1.0, listener.close).start()
+        assert runtime.wait_until_tf_ports_free(spec, timeout=20.0)

@@ -9,6 +9,7 @@ with the chief first) and rewrites its own part of the graph.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import dataclasses
 import os
 import signal
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import tensorflow as tf
 
@@ -106,6 +107,36 @@ def start_tf_server(spec: ResourceSpec, role: NodeRole,
                                 config=config, start=True)
 
 
+def wait_until_tf_ports_free(spec: ResourceSpec, timeout: float) -> bool:
+    """Waits until no node of ``spec`` listens on the TensorFlow port any more.
+
+    A job started right after another (a search's trials) would otherwise find a
+    node's port still held by a process of the previous job that is still ending.
+
+    Returns:
+        bool: whether every port was free within ``timeout`` seconds.
+    """
+    if len(spec.nodes) < 2:
+        return True  # a one-node job starts no TensorFlow server
+    port, deadline = tf_port(), time.monotonic() + timeout
+    busy = list(spec.node_addresses)
+    while busy:
+        busy = [a for a in busy if _accepts_connections(a, port)]
+        if busy and time.monotonic() >= deadline:
+            return False
+        if busy:
+            time.sleep(0.5)
+    return True
+
+
+def _accepts_connections(address: str, port: int) -> bool:
+    try:
+        with socket.create_connection((address, port), timeout=2.0):
+            return True
+    except OSError:  # refused (nobody listens), unreachable or timed out
+        return False
+
+
 class ChiefCoordinator:
     """The chief's side: serves the strategy, launches workers, watches them.
 
@@ -134,7 +165,7 @@ class ChiefCoordinator:
         port = self._server.start()
         _at_exit(self.shutdown)
         _stop_on_sigterm()
-        self._watch_uncaught_errors()
+        _exit_on_uncaught_error(self._stop_after_error)
         env = {CHIEF_ENV: self._spec.chief, SERVICE_PORT_ENV: str(port), TOKEN_ENV: self._token,
                TF_PORT_ENV: str(tf_port()), **self._worker_env}
         argv = [os.path.abspath(sys.argv[0]), *sys.argv[1:]]
@@ -192,25 +223,22 @@ class ChiefCoordinator:
                     break
         launcher.stop_all(workers)
 
-    def _watch_uncaught_errors(self) -> None:
-        """Notes an error ending the chief, so shutdown does not wait for the workers."""
-        previous = sys.excepthook
-
-        def hook(*exc_info):
-            self._failed = True
-            previous(*exc_info)
-
-        sys.excepthook = hook
+    def _stop_after_error(self, error: BaseException) -> None:
+        """An error ends the chief: stop the workers at once, without waiting for them."""
+        self._failed = True
+        self.shutdown()
 
 
 class WorkerAgent:
     """A worker's side: fetches the strategy from the chief and reports to it."""
 
     def __init__(self, role: NodeRole):
+        _die_with_launcher()
         self._client = StrategyClient(os.environ[CHIEF_ENV], int(os.environ[SERVICE_PORT_ENV]),
                                       os.environ[TOKEN_ENV], role.address)
         self._client.start_heartbeat(on_chief_lost=_exit_orphaned, lost_after=CHIEF_LOST_S)
         _at_exit(self.close)
+        _exit_on_uncaught_error(self._report_error)
 
     def fetch_strategy(self, fingerprint: str):
         return self._client.fetch_strategy(fingerprint)
@@ -221,6 +249,14 @@ class WorkerAgent:
     def report_failed(self, message: str) -> None:
         self._client.report_failed(message)
 
+    def _report_error(self, error: BaseException) -> None:
+        """An error ends this worker: the chief learns why, if it still listens."""
+        try:
+            self._client.report_failed(f"{type(error).__name__}: {error}"[:2000])
+        except ServiceError:
+            pass
+        self._client.close()
+
     def close(self) -> None:
         """Reports done, then stays until the chief's job is over: variables placed on
         this node's server must outlive the chief's last reads of them."""
@@ -230,6 +266,42 @@ class WorkerAgent:
         except ServiceError:
             pass
         self._client.close()
+
+
+def _die_with_launcher() -> None:
+    """Has the kernel kill this worker when the process that launched it ends.
+
+    A chief killed outright (SIGKILL, a timeout) cannot stop its workers; without
+    this they would train on until the heartbeat notices, holding their ports.
+    Linux only; elsewhere the heartbeat alone ends orphans.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the launcher ended before the call above
+        os._exit(1)
+
+
+def _exit_on_uncaught_error(cleanup: Callable[[BaseException], None]) -> None:
+    """Ends the process right after an uncaught error is printed and ``cleanup`` ran.
+
+    Python would next free the error's frames, and with them the session; closing
+    a TensorFlow session whose step waits on a failed peer blocks for ever, holding
+    the GIL, so not even the heartbeat's orphan check could end the process.
+    """
+    previous = sys.excepthook
+
+    def hook(kind, error, traceback):
+        previous(kind, error, traceback)
+        try:
+            cleanup(error)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130 if isinstance(error, KeyboardInterrupt) else 1)
+
+    sys.excepthook = hook
 
 
 def _exit_orphaned() -> None:

@@ -440,9 +440,10 @@ class StrategyClient:
         request = service_pb2.GetStrategyRequest(node=self._node, fingerprint=fingerprint)
         return Strategy(self._call("GetStrategy", request).strategy)
 
-    def _report(self, status: int, message: str = "") -> None:
+    def _report(self, status: int, message: str = "", wait_for_ready: bool = True) -> None:
         self._call("ReportStatus",
-                   service_pb2.StatusReport(node=self._node, status=status, message=message))
+                   service_pb2.StatusReport(node=self._node, status=status, message=message),
+                   wait_for_ready=wait_for_ready)
 
     def report_ready(self) -> None:
         """Tells the chief this worker is ready to train.
@@ -466,10 +467,13 @@ class StrategyClient:
     def report_done(self) -> None:
         """Tells the chief this worker finished normally, so its silence is not a failure.
 
+        Does not wait for an unreachable chief: at the end of a job it has often
+        ended already.
+
         Raises:
             ServiceError: if the chief is unreachable or refuses the call.
         """
-        self._report(_Status.DONE)
+        self._report(_Status.DONE, wait_for_ready=False)
 
     def start_heartbeat(self, interval: float = 2.0,
                         on_chief_lost: Optional[Callable[[], None]] = None,

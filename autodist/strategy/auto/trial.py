@@ -25,13 +25,19 @@ import sys
 import time
 from typing import List, Optional, Sequence
 
+from autodist.cluster import runtime
 from autodist.graph_item import VariableInfo
+from autodist.resource_spec import ResourceSpec
 from autodist.strategy.base import Strategy
 
 CAPTURE_ENV = "AUTODIST_CAPTURE"
 TRIAL_ENV = "AUTODIST_TRIAL"
 SPEC_ENV = "AUTODIST_RESOURCE_SPEC"   # the spec the search runs the script on
-STOP_GRACE_S = 30.0
+STOP_GRACE_S = 10.0
+PORTS_FREE_TIMEOUT_S = 60.0
+# Once a trial has succeeded, a run this many times slower than the slowest
+# success (and slower than the floor) is taken for a hang and stopped.
+HANG_FACTOR, HANG_FLOOR_S = 5.0, 120.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +136,8 @@ class ScriptRunner:
             run with this Python.
         workdir: where strategies, results and logs of the trials go.
         spec_path: the resource spec the script must use (overrides its own).
-        timeout: seconds a single run may take.
+        timeout: seconds a single run may take; after a successful trial, at most
+            ``HANG_FACTOR`` times the slowest success (but ``HANG_FLOOR_S`` or more).
     """
 
     def __init__(self, argv: Sequence[str], workdir: str, spec_path: Optional[str] = None,
@@ -139,6 +146,8 @@ class ScriptRunner:
         self._workdir = workdir
         self._spec_path = spec_path
         self._timeout = timeout
+        self._script_spec = None   # the script's own spec, read by capture()
+        self._slowest_success = 0.0
         self._runs = 0
         os.makedirs(workdir, exist_ok=True)
 
@@ -151,13 +160,14 @@ class ScriptRunner:
         path = os.path.join(self._workdir, "captured.json")
         if os.path.exists(path):
             os.remove(path)
-        code, log = self._run({CAPTURE_ENV: path}, "capture")
+        code, log = self._run({CAPTURE_ENV: path}, "capture", self._timeout)
         if not os.path.exists(path):
             raise RuntimeError(f"Running {self._argv} to read its graph failed (exit code "
                                f"{code}) before it created a session; see {log}.")
         with open(path) as source:
             data = json.load(source)
         variables = [VariableInfo(**dict(v, shape=tuple(v["shape"]))) for v in data["variables"]]
+        self._script_spec = data["spec"]
         return CapturedGraph(variables, data["fingerprint"], data["spec"])
 
     def trial(self, strategy: Strategy, warmup: int = 3, steps: int = 10) -> TrialResult:
@@ -169,19 +179,29 @@ class ScriptRunner:
                                  result=os.path.join(self._workdir, f"{name}.json"),
                                  warmup=warmup, steps=steps)
         start = time.monotonic()
-        code, log = self._run({TRIAL_ENV: settings.to_env()}, name)
+        spec = self._spec_path or self._script_spec
+        if spec and os.path.isfile(spec):  # not the embedded one-node default
+            runtime.wait_until_tf_ports_free(ResourceSpec(spec), PORTS_FREE_TIMEOUT_S)
+        timeout = self._trial_timeout()
+        code, log = self._run({TRIAL_ENV: settings.to_env()}, name, timeout)
         wall = time.monotonic() - start
         if code == 0 and os.path.exists(settings.result):
+            self._slowest_success = max(self._slowest_success, wall)
             with open(settings.result) as source:
                 return TrialResult(json.load(source)["seconds_per_step"], wall_seconds=wall)
         if code is None:
-            return TrialResult(None, f"timed out after {self._timeout:.0f} s; see {log}", wall)
+            return TrialResult(None, f"timed out after {timeout:.0f} s; see {log}", wall)
         if code == 0:
             return TrialResult(None, f"the script ended before {warmup + steps} steps; "
                                      f"see {log}", wall)
         return TrialResult(None, f"exit code {code}; see {log}", wall)
 
-    def _run(self, env: dict, name: str):
+    def _trial_timeout(self) -> float:
+        if not self._slowest_success:
+            return self._timeout
+        return min(self._timeout, max(HANG_FLOOR_S, HANG_FACTOR * self._slowest_success))
+
+    def _run(self, env: dict, name: str, timeout: float):
         """Runs the script once; returns (exit code or None on timeout, log path)."""
         log_path = os.path.join(self._workdir, f"{name}.log")
         env = dict(os.environ, **env)
@@ -192,14 +212,15 @@ class ScriptRunner:
                                        stderr=subprocess.STDOUT, env=env,
                                        start_new_session=True)
             try:
-                return process.wait(timeout=self._timeout), log_path
+                return process.wait(timeout=timeout), log_path
             except subprocess.TimeoutExpired:
                 _stop(process)
                 return None, log_path
 
 
 def _stop(process: subprocess.Popen) -> None:
-    """SIGTERM first: the chief then stops its workers; SIGKILL if it lingers."""
+    """SIGTERM first: the chief then stops its workers; SIGKILL if it lingers (its
+    workers then end with it, see ``runtime.WorkerAgent``)."""
     process.send_signal(signal.SIGTERM)
     try:
         process.wait(timeout=STOP_GRACE_S)
