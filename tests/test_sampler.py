@@ -13,7 +13,6 @@ from autodist.simulator import CostModel
 from autodist.strategy import common
 from autodist.strategy.all_reduce_builders import no_grad_node_config
 from autodist.strategy.auto import SamplerConstraints, StrategySampler, sample, sample_many
-from autodist.strategy.auto.sampler import balanced_groups
 from autodist.strategy.compiler import compile_strategy
 from test_builders import THREE_NODES
 
@@ -215,13 +214,28 @@ def test_sampling_is_deterministic_per_seed():
     assert len({s.id for s in first}) == len({str(s) for s in first})
 
 
-def test_balanced_groups_matches_the_shared_placement_rule():
+def _least_loaded_scan(items, devices, loads):
+    """The placement rule spelled out: largest first, to the least loaded, ties by order."""
+    loads, placement = dict(loads), {}
+    for _, (key, size) in sorted(enumerate(items), key=lambda pair: (-pair[1][1], pair[0])):
+        target = min(devices, key=lambda d: (loads.get(d, 0), devices.index(d)))
+        placement[key] = target
+        loads[target] = loads.get(target, 0) + size
+    return placement
+
+
+def test_balanced_placement_follows_the_least_loaded_rule_on_many_groups():
+    """The sampler spreads units over up to hundreds of groups with it."""
     rng = random.Random(0)
     for _ in range(50):
         items = [(f"u{i}", rng.choice([1, 5, 5, 40, 300, 4096])) for i in range(rng.randint(1, 60))]
         ids = list(range(rng.randint(1, 12)))
-        expected, _ = common.balanced_placement(items, ids)
-        assert balanced_groups(items, ids) == expected
+        assert common.balanced_placement(items, ids)[0] == _least_loaded_scan(items, ids, {})
+        # With bytes already placed, as for PS devices next to pinned variables.
+        devices = [f"10.0.0.{i}:CPU:0" for i in range(rng.randint(1, 4))]
+        pinned = {devices[0]: rng.choice([0, 5, 300, 5000])}
+        assert (common.balanced_placement(items, devices, pinned)[0]
+                == _least_loaded_scan(items, devices, pinned))
 
 
 def test_bad_constraints_are_named():

@@ -238,7 +238,7 @@ def _all_reduce_features(parts: List[SyncPart], cluster: ClusterView, features, 
                 rows.append((part.variable, part.part, "collective_latency",
                              float(_GATHERS_PER_SPARSE_PART)))
         else:
-            groups.setdefault(part.sync.group, []).append(part)
+            groups.setdefault(part.group, []).append(part)
     ring_factor = 2.0 * (n - 1) / n
     for members in groups.values():
         group_bytes = sum(p.wire_bytes for p in members)
@@ -272,12 +272,19 @@ def _ps_features(parts: List[SyncPart], cluster: ClusterView, split_step: bool, 
         binding = max(loads, key=lambda r: (seconds(loads[r], cluster.gbps(r)), r))
         features["ps_transfer"] = seconds(loads[binding], cluster.gbps(binding))
     if rows is not None:
+        # A part's share of the binding resource depends on its flow alone, and
+        # parts of equal size share flows: each distinct flow is charged once.
+        shares: Dict[PSFlow, Optional[float]] = {}
         for part, flow in zip(parts, flows):
             if part.has_grad:
                 rows.append((part.variable, part.part, "ps_part_overhead", 1.0))
-            own: Dict[Tuple[str, str], float] = {}
-            add_ps_loads(own, flow, cluster)
-            if binding is not None and own.get(binding):
-                rows.append((part.variable, part.part, "ps_transfer",
-                             seconds(own[binding], cluster.gbps(binding))))
+            if binding is None:
+                continue
+            if flow not in shares:
+                own: Dict[Tuple[str, str], float] = {}
+                add_ps_loads(own, flow, cluster)
+                shares[flow] = (seconds(own[binding], cluster.gbps(binding))
+                                if own.get(binding) else None)
+            if shares[flow] is not None:
+                rows.append((part.variable, part.part, "ps_transfer", shares[flow]))
     return None if binding is None else f"{binding[0]} {binding[1]}"

@@ -14,7 +14,6 @@ from typing import Any, Dict, Mapping, Optional
 import numpy as np
 
 from autodist.simulator.cost_model import COMPONENTS, CostModel
-from autodist.simulator.traffic import node_of
 
 FEATURE_NAMES = (
     "log_value_bytes", "log_grad_bytes", "log_wire_bytes", "sparse", "has_grad", "ps_share",
@@ -48,42 +47,53 @@ def strategy_features(strategy: Any, variables: Any, resource_spec: Any, *, batc
                             rows_touched=rows_touched)
     cluster = charges.cluster
     weights = {name: getattr(model.weights, name) for name in COMPONENTS}
+    parts = charges.parts
+    keys = [_sharing_key(part) for part in parts]
     shared_bytes: Dict[tuple, float] = {}
     shared_parts: Dict[tuple, int] = {}
-    for part in charges.parts:
-        key = _sharing_key(part)
+    row_of: Dict[str, int] = {}
+    for part, key in zip(parts, keys):
         shared_bytes[key] = shared_bytes.get(key, 0.0) + part.wire_bytes
         shared_parts[key] = shared_parts.get(key, 0) + 1
-    row_of: Dict[str, int] = {}
-    for part in charges.parts:
         row_of.setdefault(part.variable, len(row_of))
     # Plain lists while filling: numpy's per-element access costs more than the work.
     rows = [[0.0] * len(FEATURE_NAMES) for _ in row_of]
     for row in rows:
         row[11] = math.inf  # the slowest link: a minimum over parts
     ring_gbps = cluster.ring_gbps()
-    for part in charges.parts:
-        row, sync, key = rows[row_of[part.variable]], part.sync, _sharing_key(part)
+    nic_gbps = cluster.nic_gbps
+    for part, key in zip(parts, keys):
+        row = rows[row_of[part.variable]]
         row[0] += part.value_bytes
         row[1] += part.grad_bytes
         row[2] += part.wire_bytes
         row[3], row[4] = float(part.sparse), float(part.has_grad)
+        # Comparisons rather than min()/max(): this loop runs for every part of
+        # thousands of candidates, and a builtin call costs more than the test.
         if part.is_ps:
             row[5] += 1.0
-            row[6] += bool(sync.local_replication or sync.staleness > 0)
-            row[7] = max(row[7], sync.staleness)
-            gbps = cluster.nic_gbps.get(node_of(sync.reduction_destination), ring_gbps)
+            row[6] += part.proxy
+            if part.staleness > row[7]:
+                row[7] = part.staleness
+            gbps = nic_gbps.get(part.server, ring_gbps)
         else:
-            row[8] += sync.compressor != 0
-            row[9] += sync.compressor == 2
+            row[8] += part.compressor != 0
+            row[9] += part.compressor == 2
             gbps = ring_gbps
         row[10] += 1.0
-        row[11] = min(row[11], gbps)
-        row[12] = max(row[12], shared_bytes[key])
-        row[13] = max(row[13], shared_parts[key])
-    for variable, _, component, value in charges.rows:
-        rows[row_of[variable]][_COMPONENT_COLUMN[component]] += 1e3 * weights[component] * value
+        if gbps < row[11]:
+            row[11] = gbps
+        if shared_bytes[key] > row[12]:
+            row[12] = shared_bytes[key]
+        if shared_parts[key] > row[13]:
+            row[13] = shared_parts[key]
     table = np.array(rows, dtype=np.float64).reshape(len(rows), len(FEATURE_NAMES))
+    # Charges summed per cell in row order (bincount adds in input order, as a loop would).
+    scale = {name: 1e3 * weight for name, weight in weights.items()}
+    cells = np.array([row_of[variable] * len(FEATURE_NAMES) + _COMPONENT_COLUMN[component]
+                      for variable, _, component, _ in charges.rows], dtype=np.intp)
+    charged = [scale[component] * value for _, _, component, value in charges.rows]
+    table += np.bincount(cells, charged, minlength=table.size).reshape(table.shape)
     parts = table[:, 10].copy()
     table[:, [5, 6, 8, 9]] /= parts[:, None]
     table[:, [0, 1, 2, 12, 13]] = np.log1p(table[:, [0, 1, 2, 12, 13]])
@@ -98,5 +108,5 @@ def strategy_features(strategy: Any, variables: Any, resource_spec: Any, *, batc
 def _sharing_key(part) -> tuple:
     """What a part shares its traffic with: its server, or its all-reduce group."""
     if part.is_ps:
-        return ("ps", node_of(part.sync.reduction_destination))
-    return ("ar", "sparse" if part.sparse else part.sync.group)
+        return ("ps", part.server)
+    return ("ar", "sparse" if part.sparse else part.group)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Dict, List, Mapping, NamedTuple, Tuple
 
 import numpy as np
@@ -63,10 +64,7 @@ def seconds(num_bytes: float, gbps: float) -> float:
 
 
 def _num_elements(shape) -> int:
-    count = 1
-    for dim in shape:
-        count *= int(dim)
-    return count
+    return math.prod(map(int, shape))
 
 
 def sparse_grad_bytes(var_shape, part_shape, axis: int, dtype: str, rows_touched: float) -> float:
@@ -136,39 +134,51 @@ def cluster_view(replicas, resource_spec: Any, local_gbps: float) -> ClusterView
 
 
 class SyncPart(NamedTuple):
-    """One synchronized part (a whole variable when not partitioned) and its bytes per step."""
+    """One synchronized part (a whole variable when not partitioned) and its bytes per step.
+
+    The synchronizer's fields are read once, here: scoring reads every part
+    several times, and a proto field costs far more than a tuple's.
+    """
 
     variable: str
     part: str
-    sync: Any            # its PSSynchronizer or AllReduceSynchronizer
     is_ps: bool
     has_grad: bool
     sparse: bool
     value_bytes: float   # the whole part
     grad_bytes: float    # one replica's gradient: the part, or the rows it touches
     wire_bytes: float    # that gradient as an all-reduce sends it (after compression)
+    server: str          # PS: the node address of its server; "" for all-reduce
+    proxy: bool          # PS: nodes keep a local copy (local_replication or a staleness bound)
+    staleness: int       # PS: the staleness bound
+    aggregate: bool      # PS: nodes sum their replicas' gradients (a transfer_destination)
+    compressor: int      # all-reduce: the Compressor enum value; 0 for PS
+    group: int           # all-reduce: the group; 0 for PS
 
 
-def _sync_part(info, axis: int, name: str, shape, sync, is_ps: bool, touched: float) -> SyncPart:
-    itemsize = _itemsize(info.dtype)
-    value_bytes = float(_num_elements(shape) * itemsize)
+def _part_bytes(info, axis: int, shape, touched: float) -> Tuple[float, float]:
+    """(bytes of a part's value, bytes of one replica's gradient of it)."""
+    value_bytes = float(_num_elements(shape) * _itemsize(info.dtype))
     grad_bytes = (sparse_grad_bytes(info.shape, shape, axis, info.dtype, touched)
                   if info.sparse_grad else value_bytes)
+    return value_bytes, grad_bytes
+
+
+def _sync_part(info, name: str, sync, is_ps: bool, value_bytes: float,
+               grad_bytes: float) -> SyncPart:
+    if is_ps:
+        staleness = sync.staleness
+        return SyncPart(info.name, name, True, info.has_grad, info.sparse_grad, value_bytes,
+                        grad_bytes, grad_bytes, node_of(sync.reduction_destination),
+                        bool(sync.local_replication or staleness > 0), staleness,
+                        bool(sync.transfer_destination), 0, 0)
+    compressor = sync.compressor
     wire_bytes = grad_bytes
     # fp16 compressors change floating dense gradients only; sparse ones are gathered as they are.
-    if not is_ps and sync.compressor and _is_floating(info.dtype) and not info.sparse_grad:
-        wire_bytes = grad_bytes * _FP16_BYTES / itemsize
-    return SyncPart(info.name, name, sync, is_ps, info.has_grad, info.sparse_grad, value_bytes,
-                    grad_bytes, wire_bytes)
-
-
-def _node_part(info, axis: int, shape, node, touched: float) -> SyncPart:
-    kind = node.WhichOneof("synchronizer")
-    if kind is None:
-        raise StrategyError(f"Cost model: '{node.var_name}' has no synchronizer; set "
-                            "PSSynchronizer or AllReduceSynchronizer.")
-    return _sync_part(info, axis, node.var_name, shape, getattr(node, kind),
-                      kind == "PSSynchronizer", touched)
+    if compressor and _is_floating(info.dtype) and not info.sparse_grad:
+        wire_bytes = grad_bytes * _FP16_BYTES / _itemsize(info.dtype)
+    return SyncPart(info.name, name, False, info.has_grad, info.sparse_grad, value_bytes,
+                    grad_bytes, wire_bytes, "", False, 0, False, compressor, sync.group)
 
 
 def sync_parts(strategy: Any, variables, batch_size: int,
@@ -200,27 +210,38 @@ def sync_parts(strategy: Any, variables, batch_size: int,
             info = compiled.info
             axis = compiled.plan.axis if compiled.plan is not None else 0
             touched = rows_touched.get(info.name, batch_size)
-            parts.extend(_sync_part(info, axis, part.name, part.shape, part.synchronizer,
-                                    part.is_ps, touched) for part in compiled.parts)
+            parts.extend(_sync_part(info, part.name, part.synchronizer, part.is_ps,
+                                    *_part_bytes(info, axis, part.shape, touched))
+                         for part in compiled.parts)
         return parts, strategy.strategy
     by_name = {v.name: v for v in variables}
-    configured = {node.var_name for node in strategy.node_config}
+    nodes = list(strategy.node_config)  # one wrapper per node, not one per access
+    configured = {node.var_name for node in nodes}
     missing = [name for name in by_name if name not in configured]
     extra = sorted(configured - set(by_name))
     if missing or extra:
         raise StrategyError(f"Cost model: strategy {strategy.id} does not match the variables: "
                             f"without a config {missing}; configs for unknown variables {extra}.")
-    for node in strategy.node_config:
+    for node in nodes:
         info = by_name[node.var_name]
         touched = rows_touched.get(info.name, batch_size)
-        if not node.partitioner:
-            parts.append(_node_part(info, 0, info.shape, node, touched))
-            continue
-        counts = [int(c) for c in node.partitioner.split(",")]
-        axis = next((i for i, c in enumerate(counts) if c > 1), 0)
-        shapes = common.part_shapes(info.shape, axis, counts[axis])
-        parts.extend(_node_part(info, axis, shape, part, touched)
-                     for part, shape in zip(node.part_config, shapes))
+        partitioner = node.partitioner
+        if partitioner:
+            counts = [int(c) for c in partitioner.split(",")]
+            axis = next((i for i, c in enumerate(counts) if c > 1), 0)
+            units = zip(node.part_config, common.part_shapes(info.shape, axis, counts[axis]))
+        else:
+            axis, units = 0, ((node, tuple(info.shape)),)
+        part_bytes = {}  # by shape: a variable's parts differ by one row at most
+        for unit, shape in units:
+            kind = unit.WhichOneof("synchronizer")
+            if kind is None:
+                raise StrategyError(f"Cost model: '{unit.var_name}' has no synchronizer; set "
+                                    "PSSynchronizer or AllReduceSynchronizer.")
+            if shape not in part_bytes:
+                part_bytes[shape] = _part_bytes(info, axis, shape, touched)
+            parts.append(_sync_part(info, unit.var_name, getattr(unit, kind),
+                                    kind == "PSSynchronizer", *part_bytes[shape]))
     return parts, strategy
 
 
@@ -236,12 +257,11 @@ class PSFlow(NamedTuple):
 
 def ps_flow(part: SyncPart, split_step: bool) -> PSFlow:
     """Applies the module's traffic rules to one PS part."""
-    sync = part.sync
-    proxy = bool(sync.local_replication or sync.staleness > 0 or split_step)
-    aggregate = bool(sync.transfer_destination) or split_step
+    proxy = part.proxy or split_step
+    aggregate = part.aggregate or split_step
     read = part.grad_bytes if part.sparse and not proxy else part.value_bytes
-    return PSFlow(node_of(sync.reduction_destination), aggregate and not part.sparse, proxy,
-                  part.grad_bytes if part.has_grad else 0.0, read / (sync.staleness + 1))
+    return PSFlow(part.server, aggregate and not part.sparse, proxy,
+                  part.grad_bytes if part.has_grad else 0.0, read / (part.staleness + 1))
 
 
 def add_ps_loads(loads: Dict[Resource, float], flow: PSFlow, cluster: ClusterView) -> None:

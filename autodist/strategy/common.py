@@ -9,7 +9,9 @@ is not a multiple of ``k``, the first ``n % k`` parts hold one extra row
 """
 from __future__ import annotations
 
+import heapq
 import numbers
+import operator
 from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
 from autodist.proto import strategy_pb2
@@ -256,9 +258,9 @@ def num_ar_partitions(dim: int, num_partitions: Optional[int], num_replicas: int
 
 # --------------------------------------------------------------------------- placement
 
-def balanced_placement(items: Sequence[Tuple[Hashable, int]], devices: Sequence[str],
-                       initial_loads: Optional[Dict[str, int]] = None
-                       ) -> Tuple[Dict[Hashable, str], Dict[str, int]]:
+def balanced_placement(items: Sequence[Tuple[Hashable, int]], devices: Sequence[Hashable],
+                       initial_loads: Optional[Dict[Hashable, int]] = None
+                       ) -> Tuple[Dict[Hashable, Hashable], Dict[Hashable, int]]:
     """Greedily places items on devices, balancing bytes.
 
     Items are taken largest first (ties in the given order) and each goes to
@@ -267,7 +269,8 @@ def balanced_placement(items: Sequence[Tuple[Hashable, int]], devices: Sequence[
 
     Args:
         items: ``(key, size_bytes)`` pairs; keys must be unique.
-        devices: candidate device strings, in priority order.
+        devices: candidate device strings (or any ids, e.g. all-reduce groups), in
+            priority order.
         initial_loads: bytes already on some devices (e.g. pinned variables).
 
     Returns:
@@ -278,16 +281,17 @@ def balanced_placement(items: Sequence[Tuple[Hashable, int]], devices: Sequence[
     """
     if not devices:
         raise StrategyError("balanced_placement needs at least one device, got devices=[].")
-    loads = {d: 0 for d in devices}
-    for device, size in (initial_loads or {}).items():
-        loads[device] = loads.get(device, 0) + size
-    order = {d: i for i, d in enumerate(devices)}
-    placement: Dict[Hashable, str] = {}
-    ranked = sorted(enumerate(items), key=lambda pair: (-pair[1][1], pair[0]))
-    for _, (key, size) in ranked:
-        target = min(devices, key=lambda d: (loads[d], order[d]))
+    loads = dict(initial_loads or {})
+    # A heap, not a scan: the sampler spreads units over hundreds of groups.
+    heap = [(loads.get(d, 0), order, d) for order, d in enumerate(devices)]
+    heapq.heapify(heap)
+    placement: Dict[Hashable, Hashable] = {}
+    # A stable sort keeps the given order among equal sizes, even reversed.
+    for key, size in sorted(items, key=operator.itemgetter(1), reverse=True):
+        load, order, target = heapq.heappop(heap)
         placement[key] = target
-        loads[target] += size
+        heapq.heappush(heap, (load + size, order, target))
+    loads.update((d, load) for load, _, d in heap)
     return placement, loads
 
 

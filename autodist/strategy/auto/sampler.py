@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import heapq
 import math
 import random
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 
@@ -31,7 +30,7 @@ from autodist.strategy.base import Strategy
 
 Node = common.Node
 
-__all__ = ["SamplerConstraints", "StrategySampler", "balanced_groups", "sample", "sample_many"]
+__all__ = ["SamplerConstraints", "StrategySampler", "sample", "sample_many"]
 
 _FP16_COMPRESSORS = ("HorovodCompressor", "HorovodCompressorEF")
 
@@ -86,7 +85,7 @@ class SamplerConstraints:
 class _Plan(NamedTuple):
     """One variable's cut and synchronizer choice (names and bytes of its units)."""
 
-    axis: int
+    partitioner: str     # "" when not partitioned
     names: List[str]
     sizes: List[int]
     is_ps: bool
@@ -138,7 +137,13 @@ class StrategySampler:
         self._most_units = sum(
             constraints.max_partitions if v.size_bytes > constraints.partition_threshold_bytes
             else 1 for v in self._variables if v.has_grad)
-        self._cuts: Dict[Tuple[str, int, int], Tuple[List[str], List[int]]] = {}
+        self._cuts: Dict[Tuple[str, int, int], Tuple[str, List[str], List[int]]] = {}
+        # Node configs are copied from templates: protobuf field setters cost more
+        # than one CopyFrom, and configs are built in place in the strategy, since
+        # appending a finished message would copy it again.
+        self._ps_templates: Dict[Tuple[str, bool, int], Node] = {}
+        self._no_grad_configs = {v.name: no_grad_node_config(v, self._ps_devices)
+                                 for v in self._variables if not v.has_grad}
 
     @property
     def constraints(self) -> SamplerConstraints:
@@ -160,9 +165,12 @@ class StrategySampler:
         placement = self._place_ps_units(plans, knobs)
         groups, templates = self._group_ar_units(plans, knobs, rng)
         strategy = common.new_strategy(self._spec)
+        configs = strategy.node_config
         for var, plan in zip(self._variables, plans):
-            strategy.node_config.append(
-                self._node_config(var, plan, placement, groups, templates, knobs))
+            if plan is None:
+                configs.append(self._no_grad_configs[var.name])
+            else:
+                self._add_node_config(configs, var, plan, placement, groups, templates, knobs)
         strategy.proto.id = ""
         digest = hashlib.sha1(strategy.proto.SerializeToString(deterministic=True)).hexdigest()
         strategy.proto.id = f"sampled-{digest[:16]}"
@@ -208,7 +216,7 @@ class StrategySampler:
         size = self._sizes[var.name]
         split = bool(axes) and (size > c.always_partition_bytes or (
             size > c.partition_threshold_bytes and rng.random() < knobs.partition_share))
-        axis, num_parts = 0, 1
+        num_parts = 1
         if split:
             axis = axes[0] if len(axes) == 1 else rng.choice(axes)
             num_parts = rng.randint(c.min_partitions, min(c.max_partitions, int(var.shape[axis])))
@@ -216,13 +224,13 @@ class StrategySampler:
         is_ps = rng.random() < share
         proxy = is_ps and rng.random() < knobs.proxy_share
         if num_parts == 1:
-            return _Plan(axis, [var.name], [size], is_ps, proxy)
+            return _Plan("", [var.name], [size], is_ps, proxy)
         key = (var.name, axis, num_parts)
         if key not in self._cuts:
-            self._cuts[key] = ([common.part_name(var.name, i) for i in range(num_parts)],
+            self._cuts[key] = (common.partitioner_string(num_parts, axis, len(var.shape)),
+                               [common.part_name(var.name, i) for i in range(num_parts)],
                                common.part_sizes_bytes(var, axis, num_parts))
-        names, sizes = self._cuts[key]
-        return _Plan(axis, names, sizes, is_ps, proxy)
+        return _Plan(*self._cuts[key], is_ps, proxy)
 
     def _place_ps_units(self, plans, knobs: _Knobs) -> Dict[str, str]:
         items = [(name, size) for plan in plans if plan is not None and plan.is_ps
@@ -232,8 +240,7 @@ class StrategySampler:
         # Variables without a gradient sit on the chief's CPU: count them when it serves.
         pinned = ({self._ps_devices[0]: self._pinned_bytes}
                   if self._ps_devices[0] in knobs.servers else None)
-        placement, _ = common.balanced_placement(items, knobs.servers, pinned)
-        return placement
+        return common.balanced_placement(items, knobs.servers, pinned)[0]
 
     def _group_ar_units(self, plans, knobs: _Knobs, rng: random.Random):
         """Returns (unit name -> group, group -> AR node config with its compressor).
@@ -256,7 +263,7 @@ class StrategySampler:
         next_group = 0
         for dtype, items in by_dtype.items():
             ids = list(range(next_group, next_group + min(knobs.groups, len(items))))
-            groups.update(balanced_groups(items, ids))
+            groups.update(common.balanced_placement(items, ids)[0])
             floating = np.issubdtype(np.dtype(dtype), np.floating)
             for group in ids:
                 lossy = floating and rng.random() < knobs.fp16_share
@@ -269,51 +276,32 @@ class StrategySampler:
                      for name in set(compressors.values())}
         return groups, {group: templates[name] for group, name in compressors.items()}
 
-    def _node_config(self, var, plan: Optional[_Plan], placement, groups, templates,
-                     knobs: _Knobs):
-        if plan is None:
-            return no_grad_node_config(var, self._ps_devices)
-        staleness = knobs.staleness
-        units = []
-        for name in plan.names:
-            if plan.is_ps:
-                units.append(common.ps_node_config(name, placement[name], plan.proxy,
-                                                   sync=staleness == 0, staleness=staleness))
-            else:
-                group = groups[name]
-                node = Node()
-                node.CopyFrom(templates[group])
+    def _add_node_config(self, configs, var, plan: _Plan, placement, groups, templates,
+                         knobs: _Knobs) -> None:
+        """Appends the config of a variable with a gradient to ``configs``."""
+        if plan.partitioner:
+            # The partitioned_node_config layout: the top node holds the partitioner only.
+            configs = configs.add(var_name=var.name, partitioner=plan.partitioner).part_config
+        add = configs.add
+        if plan.is_ps:
+            for name in plan.names:
+                node = add()
+                node.CopyFrom(self._ps_template(placement[name], plan.proxy, knobs.staleness))
                 node.var_name = name
-                node.AllReduceSynchronizer.group = group
-                units.append(node)
-        if len(units) == 1:
-            return units[0]
-        return common.partitioned_node_config(var.name, plan.axis, len(var.shape), units)
+            return
+        for name in plan.names:
+            group = groups[name]
+            node = add()
+            node.CopyFrom(templates[group])
+            node.var_name = name
+            node.AllReduceSynchronizer.group = group
 
-
-def balanced_groups(items: Sequence[Tuple[str, int]], group_ids: Sequence[int]) -> Dict[str, int]:
-    """Spreads units over groups as :func:`common.balanced_placement` spreads them over devices.
-
-    The same rule (largest first, each to the least-loaded group, ties to the
-    earlier one) with a heap: there can be hundreds of groups, and the linear
-    scan of the shared helper, fine for a few devices, would make grouping
-    quadratic.
-
-    Args:
-        items: ``(unit name, bytes)`` pairs with unique names.
-        group_ids: the groups, in tie-breaking order.
-
-    Returns:
-        dict[str, int]: unit name -> group id.
-    """
-    heap = [(0, order, group) for order, group in enumerate(group_ids)]
-    heapq.heapify(heap)
-    placement = {}
-    for _, (name, size) in sorted(enumerate(items), key=lambda pair: (-pair[1][1], pair[0])):
-        load, order, group = heapq.heappop(heap)
-        placement[name] = group
-        heapq.heappush(heap, (load + size, order, group))
-    return placement
+    def _ps_template(self, device: str, proxy: bool, staleness: int) -> Node:
+        key = (device, proxy, staleness)
+        if key not in self._ps_templates:
+            self._ps_templates[key] = common.ps_node_config(
+                "", device, proxy, sync=staleness == 0, staleness=staleness)
+        return self._ps_templates[key]
 
 
 def sample(item_or_variables: Any, resource_spec: Any, rng: Union[random.Random, int],
