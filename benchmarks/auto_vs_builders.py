@@ -15,8 +15,6 @@ builder and AutoStrategy's result measured side by side, ``--repeats`` rounds,
 interleaved, median per strategy. One trial = a fresh run of the training
 script on every node, ``--warmup`` steps, then ``--steps`` timed ones.
 
-Also: the time to sample and score 2000 candidates of a 400-variable graph.
-
 Usage (root, iproute2):
     python benchmarks/auto_vs_builders.py                      # everything, writes docs
     python benchmarks/auto_vs_builders.py --settings mlp --trials 8 --no-write
@@ -26,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 import statistics
 import subprocess
@@ -120,29 +117,6 @@ def run_setting(args) -> dict:
             "plot": os.path.join(args.workdir, "search", "search.png")}
 
 
-# --------------------------------------------------------------------------- sampling speed
-
-def sampling_speed(count: int = 2000, num_vars: int = 400) -> dict:
-    """Seconds to sample and score ``count`` candidates of a ``num_vars``-variable graph."""
-    from autodist.graph_item import VariableInfo
-    from autodist.resource_spec import ResourceSpec
-    from autodist.strategy.auto.search import StrategySearch
-
-    rng = random.Random(0)
-    variables = [VariableInfo(f"layer{i // 16}/v{i}", (rng.choice([128, 1024, 4096]),
-                                                       rng.choice([128, 1024])), "float32",
-                              sparse_grad=i == 0) for i in range(num_vars)]
-    spec = ResourceSpec.from_dict({"nodes": [
-        {"address": f"10.123.0.{i + 1}", "cpus": [0], "chief": i == 0} for i in range(4)]})
-    search = StrategySearch(variables, spec, candidates=count)
-    start = time.monotonic()
-    candidates = search.candidates(0)
-    sampled = time.monotonic() - start
-    search.simulator.score([search.features(c) for c in candidates])
-    return {"candidates": len(candidates), "variables": num_vars,
-            "sample_s": sampled, "total_s": time.monotonic() - start}
-
-
 # --------------------------------------------------------------------------- driver
 
 def _speedup(result: dict) -> tuple:
@@ -154,7 +128,7 @@ def _speedup(result: dict) -> tuple:
     return best, builders[best] / auto if auto else 0.0
 
 
-def _section(results: list, speed: dict, args) -> str:
+def _section(results: list, args) -> str:
     info = report.machine_info()
     ratios = [_speedup(r)[1] for r in results]
     wins = sum(ratio >= GOAL_SPEEDUP for ratio in ratios)
@@ -190,10 +164,7 @@ def _section(results: list, speed: dict, args) -> str:
                          f"cost model alone {ranking['tau_cost_model']:.2f}, trained simulator "
                          f"{ranking['tau_trained']:.2f} (goal >= 0.7).")
         lines += ["", f"![search progress: {r['setting']}](auto_search_{r['setting']}.png)", ""]
-    lines += [f"Sampling and scoring {speed['candidates']} candidates of a {speed['variables']}-"
-              f"variable graph: {speed['total_s']:.1f} s ({speed['sample_s']:.1f} s sampling; "
-              "goal <= 30 s).", "",
-              f"Measured {info['date']} on {info['cores']} cores ({info['cpu']}), TensorFlow "
+    lines += [f"Measured {info['date']} on {info['cores']} cores ({info['cpu']}), TensorFlow "
               f"{info['tf']}, Python {info['python']}; 1-minute load {info['load']} at the end.",
               END]
     return "\n".join(lines)
@@ -207,7 +178,7 @@ def main(argv=None) -> int:
                         help="sampled strategies measured to rate the simulators' ranking")
     parser.add_argument("--held-out-in", nargs="+", choices=list(SETTINGS),
                         help="settings that measure held-out strategies (default: all)")
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
@@ -223,8 +194,6 @@ def main(argv=None) -> int:
 
     import yaml
     from autodist.cluster import emulate
-    speed = sampling_speed()
-    print(f"sampling+scoring: {speed}", flush=True)
     results = []
     workroot = tempfile.mkdtemp(prefix="auto_vs_builders.")
     for name in args.settings:
@@ -259,8 +228,8 @@ def main(argv=None) -> int:
                 if os.path.exists(result["plot"]):
                     shutil.copy(result["plot"], os.path.join(os.path.dirname(args.out),
                                                              f"auto_search_{name}.png"))
-                report.write_section(args.out, _section(results, speed, args), BEGIN, END)
-    print(_section(results, speed, args))
+                report.write_section(args.out, _section(results, args), BEGIN, END)
+    print(_section(results, args))
     return 0
 
 

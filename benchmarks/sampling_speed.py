@@ -1,0 +1,89 @@
+"""Time to sample and score AutoStrategy's candidates for a large graph.
+
+A search round samples 2000 candidate strategies and scores each with the
+learned simulator (features, then the network). Goal: at most 30 s for a
+400-variable graph on 4 nodes. Median of ``--repeats`` runs.
+
+Usage:
+    python benchmarks/sampling_speed.py             # measures, writes docs/benchmarks.md
+    python benchmarks/sampling_speed.py --no-write
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+
+import report
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+BEGIN, END = "<!-- sampling_speed:begin -->", "<!-- sampling_speed:end -->"
+GOAL_S = 30.0
+
+
+def measure(count: int, num_vars: int) -> dict:
+    """Seconds to sample ``count`` candidates of a ``num_vars``-variable graph, and to score them."""
+    from autodist.graph_item import VariableInfo
+    from autodist.resource_spec import ResourceSpec
+    from autodist.strategy.auto.search import StrategySearch
+
+    rng = random.Random(0)
+    variables = [VariableInfo(f"layer{i // 16}/v{i}", (rng.choice([128, 1024, 4096]),
+                                                       rng.choice([128, 1024])), "float32",
+                              sparse_grad=i == 0) for i in range(num_vars)]
+    spec = ResourceSpec.from_dict({"nodes": [
+        {"address": f"10.123.0.{i + 1}", "cpus": [0], "chief": i == 0} for i in range(4)]})
+    search = StrategySearch(variables, spec, candidates=count)
+    start = time.monotonic()
+    candidates = search.candidates(0)
+    sampled = time.monotonic() - start
+    search.simulator.score([search.features(c) for c in candidates])
+    return {"candidates": len(candidates), "sample_s": sampled,
+            "total_s": time.monotonic() - start}
+
+
+def _section(runs: list, args) -> str:
+    info = report.machine_info()
+    total = statistics.median(r["total_s"] for r in runs)
+    sample = statistics.median(r["sample_s"] for r in runs)
+    verdict = "holds" if total <= GOAL_S else "does not hold"
+    return "\n".join([
+        BEGIN, "## Sampling and scoring AutoStrategy's candidates (`sampling_speed`)", "",
+        f"{runs[0]['candidates']} candidates of a {args.variables}-variable graph on 4 nodes, "
+        f"sampled and scored by the learned simulator: **{total:.1f} s** ({sample:.1f} s "
+        f"sampling; median of {len(runs)} runs: "
+        + ", ".join(f"{r['total_s']:.1f}" for r in runs)
+        + f" s). Goal <= {GOAL_S:.0f} s: **{verdict}**.", "",
+        f"Measured {info['date']} on {info['cores']} cores ({info['cpu']}), TensorFlow "
+        f"{info['tf']}, Python {info['python']}; 1-minute load {info['load']} at the end.",
+        END])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--candidates", type=int, default=2000)
+    parser.add_argument("--variables", type=int, default=400)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks.md"))
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args(argv)
+    runs = []
+    for _ in range(args.repeats):
+        runs.append(measure(args.candidates, args.variables))
+        print(f"sampling+scoring: {runs[-1]}", flush=True)
+    section = _section(runs, args)
+    if not args.no_write:
+        report.write_section(args.out, section, BEGIN, END)
+    print(section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
