@@ -27,10 +27,12 @@ the strategy, and the model exists to rank strategies, not to predict wall time.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple, Union
 
-from autodist.simulator.traffic import (ClusterView, PSFlow, SyncPart, add_ps_loads,
-                                        cluster_view, ps_flow, seconds, sync_parts)
+import numpy as np
+
+from autodist.simulator.traffic import (DIRECTIONS, ClusterView, SyncParts, cluster_view,
+                                        ps_flows, ps_loads, seconds, sync_parts)
 
 COMPONENTS = ("ring_all_reduce", "all_gather", "collective_latency", "ps_transfer",
               "ps_part_overhead")
@@ -134,8 +136,8 @@ class CostModel:
         Returns:
             float: the weighted sum of the components.
         """
-        features = self._evaluate(strategy, graph_item, resource_spec, batch_size,
-                                  rows_touched, keep_rows=False).features
+        features = self.charges(strategy, graph_item, resource_spec, batch_size=batch_size,
+                                rows_touched=rows_touched).features
         return sum(getattr(self.weights, name) * value for name, value in features.items())
 
     def breakdown(self, strategy: Any, graph_item: Any, resource_spec: Any, *, batch_size: int,
@@ -164,127 +166,151 @@ class CostModel:
                 one for an unknown variable, or a part without a synchronizer.
             ValueError: if ``batch_size`` is not a positive int.
         """
-        charges = self._evaluate(strategy, graph_item, resource_spec, batch_size, rows_touched,
-                                 keep_rows=True)
+        charges = self.charges(strategy, graph_item, resource_spec, batch_size=batch_size,
+                               rows_touched=rows_touched)
         weights = dataclasses.asdict(self.weights)
-        weighted = tuple(CostRow(var, part, name, weights[name] * value)
-                         for var, part, name, value in charges.rows)
+        parts = charges.parts
+        rows = parts.row.tolist()
+        weighted = tuple(
+            CostRow(parts.variables[rows[part]], parts.names[part], COMPONENTS[component],
+                    weights[COMPONENTS[component]] * value)
+            for part, component, value in zip(charges.part.tolist(), charges.component.tolist(),
+                                              charges.value.tolist()))
         totals = {name: weights[name] * charges.features[name] for name in COMPONENTS}
         return CostBreakdown(weighted, charges.features, totals, weights, charges.binding)
 
     def charges(self, strategy: Any, graph_item: Any, resource_spec: Any, *, batch_size: int,
                 rows_touched: Optional[Mapping[str, float]] = None) -> "Charges":
-        """The unweighted features per part, with the parts and the cluster behind them.
+        """The unweighted features, per part and in all, with the parts and the cluster behind them.
 
         For callers that derive their own figures per part (the learned
         simulator's features) without paying for :class:`CostRow` objects.
 
         Args and Raises: as :meth:`breakdown`.
         """
-        return self._evaluate(strategy, graph_item, resource_spec, batch_size, rows_touched,
-                              keep_rows=True)
-
-    def _evaluate(self, strategy, graph_item, resource_spec, batch_size, rows_touched,
-                  keep_rows) -> "Charges":
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1 (per replica), got {batch_size!r}.")
         variables = getattr(graph_item, "trainable_variables", graph_item)
         parts, proto_strategy = sync_parts(strategy, variables, batch_size, rows_touched or {})
         cluster = cluster_view(proto_strategy.replicas, resource_spec, self.local_bandwidth_gbps)
-        rows: Optional[List[Tuple[str, str, str, float]]] = [] if keep_rows else None
-        features = dict.fromkeys(COMPONENTS, 0.0)
-        ar_parts = [p for p in parts if not p.is_ps and p.has_grad]
-        ps_parts = [p for p in parts if p.is_ps]
-        _all_reduce_features(ar_parts, cluster, features, rows)
+        all_reduced = np.flatnonzero(~parts.is_ps & parts.has_grad)
+        ps = np.flatnonzero(parts.is_ps)
         # A multi-node step mixing PS and AllReduce gradients is split in two runs (README).
-        split_step = (len(cluster.replicas_per_node) > 1 and bool(ar_parts)
-                      and any(p.has_grad for p in ps_parts))
-        binding = _ps_features(ps_parts, cluster, split_step, features, rows)
-        return Charges(parts, cluster, features, rows, binding)
+        split_step = (len(cluster.replicas_per_node) > 1 and all_reduced.size > 0
+                      and bool(parts.has_grad[ps].any()))
+        ar_features, ar_charges = _all_reduce_charges(parts, all_reduced, cluster)
+        ps_features, ps_charges, binding = _ps_charges(parts, ps, cluster, split_step)
+        features = {**dict.fromkeys(COMPONENTS, 0.0), **ar_features, **ps_features}
+        part, component, value = (np.concatenate(column)
+                                  for column in zip(*ar_charges, ps_charges))
+        return Charges(parts, cluster, features, part, component, value, binding)
 
 
 class Charges(NamedTuple):
-    """What :meth:`CostModel.charges` returns; features and rows are unweighted.
+    """What :meth:`CostModel.charges` returns; features and charges are unweighted.
+
+    The charges are columns, one entry per charge, in a fixed order, so that
+    sums over them round alike every time: all-gathered parts, then all-reduce
+    groups in launch order, then PS parts.
 
     Attributes:
-        parts: the synchronized parts, in graph order.
+        parts: the synchronized parts.
         cluster: the replicas per node and the link rates.
         features: component -> unweighted value.
-        rows: (variable, part, component, unweighted value) per charge, or None.
+        part: the part charged, an index into ``parts``.
+        component: the component charged, an index into ``COMPONENTS``.
+        value: the unweighted value charged.
         binding: the binding PS resource, e.g. ``"10.0.0.1 in"``, or None.
     """
 
-    parts: List[SyncPart]
+    parts: SyncParts
     cluster: ClusterView
     features: Dict[str, float]
-    rows: Optional[List[Tuple[str, str, str, float]]]
+    part: np.ndarray
+    component: np.ndarray
+    value: np.ndarray
     binding: Optional[str]
 
 
-def _all_reduce_features(parts: List[SyncPart], cluster: ClusterView, features, rows) -> None:
-    """Adds the ring, all-gather and latency features of the all-reduced parts."""
+_Column = Union[float, np.ndarray]
+_Charged = Tuple[np.ndarray, np.ndarray, np.ndarray]  # part, component, value
+
+
+def _interleave(index: np.ndarray, *charges: Tuple[str, _Column, _Column]) -> _Charged:
+    """The charges of the parts ``index``, part by part, each part's in the order of ``charges``.
+
+    Args:
+        index: the parts charged.
+        charges: ``(component, value, where)``: the value charged and whether it
+            is charged at all, each per part or one for all.
+    """
+    part = np.repeat(index, len(charges))
+    component = np.tile([COMPONENTS.index(name) for name, _, _ in charges], len(index))
+    value = np.stack([np.broadcast_to(v, index.shape) for _, v, _ in charges], axis=1).ravel()
+    where = np.stack([np.broadcast_to(w, index.shape) for _, _, w in charges], axis=1).ravel()
+    return part[where], component[where], value[where]
+
+
+def _in_order_sum(values: np.ndarray) -> float:
+    """Sums left to right, as a loop would (``np.sum`` pairs terms, rounding differently)."""
+    return float(np.bincount(np.zeros(len(values), dtype=np.intp), values, minlength=1)[0])
+
+
+def _all_reduce_charges(parts: SyncParts, index: np.ndarray,
+                        cluster: ClusterView) -> Tuple[Dict[str, float], List[_Charged]]:
+    """The ring, all-gather and latency features of the all-reduced parts ``index``.
+
+    Returns:
+        tuple: (component -> feature, the charges of those parts).
+    """
     n = cluster.num_replicas
-    if n < 2 or not parts:
-        return
+    if n < 2 or not index.size:
+        return {}, []
     gbps = cluster.ring_gbps()
-    groups: Dict[int, List[SyncPart]] = {}
-    for part in parts:
-        if part.sparse:
-            gather = seconds((n - 1) * part.grad_bytes, gbps)
-            features["all_gather"] += gather
-            features["collective_latency"] += _GATHERS_PER_SPARSE_PART
-            if rows is not None:
-                rows.append((part.variable, part.part, "all_gather", gather))
-                rows.append((part.variable, part.part, "collective_latency",
-                             float(_GATHERS_PER_SPARSE_PART)))
-        else:
-            groups.setdefault(part.group, []).append(part)
+    sparse = index[parts.sparse[index]]
+    gather = seconds((n - 1) * parts.grad_bytes[sparse], gbps)
+    dense = index[~parts.sparse[index]]
+    _, first, group = np.unique(parts.group[dense], return_index=True, return_inverse=True)
+    group = np.argsort(np.argsort(first))[group]  # groups numbered in launch order
+    group_bytes = np.bincount(group, parts.wire_bytes[dense], minlength=len(first))
     ring_factor = 2.0 * (n - 1) / n
-    for members in groups.values():
-        group_bytes = sum(p.wire_bytes for p in members)
-        features["ring_all_reduce"] += seconds(ring_factor * group_bytes, gbps)
-        features["collective_latency"] += 1.0
-        if rows is not None:
-            for part in members:  # a group's launch is shared evenly by its members
-                rows.append((part.variable, part.part, "ring_all_reduce",
-                             seconds(ring_factor * part.wire_bytes, gbps)))
-                rows.append((part.variable, part.part, "collective_latency", 1.0 / len(members)))
+    features = {"ring_all_reduce": _in_order_sum(seconds(ring_factor * group_bytes, gbps)),
+                "all_gather": _in_order_sum(gather),
+                "collective_latency": float(_GATHERS_PER_SPARSE_PART * len(sparse) + len(first))}
+    order = np.argsort(group, kind="stable")
+    dense, group = dense[order], group[order]
+    members = np.bincount(group, minlength=len(first))
+    ring = seconds(ring_factor * parts.wire_bytes[dense], gbps)
+    return features, [
+        _interleave(sparse, ("all_gather", gather, True),
+                    ("collective_latency", float(_GATHERS_PER_SPARSE_PART), True)),
+        # Group by group, as launched; a group's launch is shared evenly by its members.
+        _interleave(dense, ("ring_all_reduce", ring, True),
+                    ("collective_latency", 1.0 / members[group], True))]
 
 
-def _ps_features(parts: List[SyncPart], cluster: ClusterView, split_step: bool, features,
-                 rows) -> Optional[str]:
-    """Adds the PS transfer and overhead features; returns the binding resource."""
-    flows = [ps_flow(part, split_step) for part in parts]
-    features["ps_part_overhead"] = float(sum(1 for part in parts if part.has_grad))
-    # Loads are linear in push and read: flows alike but for their bytes are summed
-    # first, so the per-node loop runs per (server, mode), not per part.
-    merged: Dict[Tuple[str, bool, bool], List[float]] = {}
-    for flow in flows:
-        total = merged.setdefault((flow.server, flow.push_once, flow.proxy), [0.0, 0.0])
-        total[0] += flow.push
-        total[1] += flow.read
-    loads: Dict[Tuple[str, str], float] = {}
-    for (server, push_once, proxy), (push, read) in merged.items():
-        add_ps_loads(loads, PSFlow(server, push_once, proxy, push, read), cluster)
-    loads = {resource: num_bytes for resource, num_bytes in loads.items() if num_bytes > 0}
+def _ps_charges(parts: SyncParts, index: np.ndarray, cluster: ClusterView, split_step: bool
+                ) -> Tuple[Dict[str, float], _Charged, Optional[str]]:
+    """The PS transfer and overhead features of the PS parts ``index``.
+
+    Returns:
+        tuple: (component -> feature; the charges of those parts: the overhead
+        and each part's share of the binding resource; the binding resource,
+        e.g. ``"10.0.0.1 in"``, or None without PS traffic).
+    """
+    has_grad = parts.has_grad[index]
+    features = {"ps_part_overhead": float(np.count_nonzero(has_grad))}
+    nodes, loads = ps_loads(ps_flows(parts, index, split_step), parts.servers, cluster)
+    totals = loads.sum(axis=2).tolist()
+    busy = [(seconds(num_bytes, cluster.gbps((node, direction))), (node, direction))
+            for node, per_direction in zip(nodes, totals)
+            for direction, num_bytes in zip(DIRECTIONS, per_direction) if num_bytes > 0]
+    share: _Column = 0.0
     binding = None
-    if loads:
-        binding = max(loads, key=lambda r: (seconds(loads[r], cluster.gbps(r)), r))
-        features["ps_transfer"] = seconds(loads[binding], cluster.gbps(binding))
-    if rows is not None:
-        # A part's share of the binding resource depends on its flow alone, and
-        # parts of equal size share flows: each distinct flow is charged once.
-        shares: Dict[PSFlow, Optional[float]] = {}
-        for part, flow in zip(parts, flows):
-            if part.has_grad:
-                rows.append((part.variable, part.part, "ps_part_overhead", 1.0))
-            if binding is None:
-                continue
-            if flow not in shares:
-                own: Dict[Tuple[str, str], float] = {}
-                add_ps_loads(own, flow, cluster)
-                shares[flow] = (seconds(own[binding], cluster.gbps(binding))
-                                if own.get(binding) else None)
-            if shares[flow] is not None:
-                rows.append((part.variable, part.part, "ps_transfer", shares[flow]))
-    return None if binding is None else f"{binding[0]} {binding[1]}"
+    if busy:
+        features["ps_transfer"], binding = max(busy)
+        share = seconds(loads[nodes.index(binding[0]), DIRECTIONS.index(binding[1])],
+                        cluster.gbps(binding))
+    charged = _interleave(index, ("ps_part_overhead", 1.0, has_grad),
+                          ("ps_transfer", share, share != 0))
+    return features, charged, None if binding is None else f"{binding[0]} {binding[1]}"

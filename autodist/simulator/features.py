@@ -9,7 +9,7 @@ be judged in its context.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import numpy as np
 
@@ -21,7 +21,7 @@ FEATURE_NAMES = (
     "log_link_gbps", "log_shared_bytes", "log_shared_parts",
     *(f"{name}_ms" for name in COMPONENTS),
     "log_total_ms", "total_ps_transfer_ms", "total_ring_ms")
-_COMPONENT_COLUMN = {name: 14 + i for i, name in enumerate(COMPONENTS)}
+_FIRST_COMPONENT_COLUMN = FEATURE_NAMES.index(f"{COMPONENTS[0]}_ms")
 
 
 def strategy_features(strategy: Any, variables: Any, resource_spec: Any, *, batch_size: int,
@@ -45,68 +45,51 @@ def strategy_features(strategy: Any, variables: Any, resource_spec: Any, *, batc
     variables = getattr(variables, "trainable_variables", variables)
     charges = model.charges(strategy, variables, resource_spec, batch_size=batch_size,
                             rows_touched=rows_touched)
-    cluster = charges.cluster
-    weights = {name: getattr(model.weights, name) for name in COMPONENTS}
     parts = charges.parts
-    keys = [_sharing_key(part) for part in parts]
-    shared_bytes: Dict[tuple, float] = {}
-    shared_parts: Dict[tuple, int] = {}
-    row_of: Dict[str, int] = {}
-    for part, key in zip(parts, keys):
-        shared_bytes[key] = shared_bytes.get(key, 0.0) + part.wire_bytes
-        shared_parts[key] = shared_parts.get(key, 0) + 1
-        row_of.setdefault(part.variable, len(row_of))
-    # Plain lists while filling: numpy's per-element access costs more than the work.
-    rows = [[0.0] * len(FEATURE_NAMES) for _ in row_of]
-    for row in rows:
-        row[11] = math.inf  # the slowest link: a minimum over parts
-    ring_gbps = cluster.ring_gbps()
-    nic_gbps = cluster.nic_gbps
-    for part, key in zip(parts, keys):
-        row = rows[row_of[part.variable]]
-        row[0] += part.value_bytes
-        row[1] += part.grad_bytes
-        row[2] += part.wire_bytes
-        row[3], row[4] = float(part.sparse), float(part.has_grad)
-        # Comparisons rather than min()/max(): this loop runs for every part of
-        # thousands of candidates, and a builtin call costs more than the test.
-        if part.is_ps:
-            row[5] += 1.0
-            row[6] += part.proxy
-            if part.staleness > row[7]:
-                row[7] = part.staleness
-            gbps = nic_gbps.get(part.server, ring_gbps)
-        else:
-            row[8] += part.compressor != 0
-            row[9] += part.compressor == 2
-            gbps = ring_gbps
-        row[10] += 1.0
-        if gbps < row[11]:
-            row[11] = gbps
-        if shared_bytes[key] > row[12]:
-            row[12] = shared_bytes[key]
-        if shared_parts[key] > row[13]:
-            row[13] = shared_parts[key]
-    table = np.array(rows, dtype=np.float64).reshape(len(rows), len(FEATURE_NAMES))
-    # Charges summed per cell in row order (bincount adds in input order, as a loop would).
-    scale = {name: 1e3 * weight for name, weight in weights.items()}
-    cells = np.array([row_of[variable] * len(FEATURE_NAMES) + _COMPONENT_COLUMN[component]
-                      for variable, _, component, _ in charges.rows], dtype=np.intp)
-    charged = [scale[component] * value for _, _, component, value in charges.rows]
-    table += np.bincount(cells, charged, minlength=table.size).reshape(table.shape)
-    parts = table[:, 10].copy()
-    table[:, [5, 6, 8, 9]] /= parts[:, None]
+    row, ps = parts.row, parts.is_ps
+    table = np.zeros((len(parts.variables), len(FEATURE_NAMES)))
+
+    def per_row(values: np.ndarray) -> np.ndarray:  # sums in part order, as a loop would
+        return np.bincount(row, values, minlength=len(table))
+
+    table[:, 0] = per_row(parts.value_bytes)
+    table[:, 1] = per_row(parts.grad_bytes)
+    table[:, 2] = per_row(parts.wire_bytes)
+    table[row, 3] = parts.sparse
+    table[row, 4] = parts.has_grad
+    table[:, 5] = per_row(ps)
+    table[:, 6] = per_row(parts.proxy)
+    np.maximum.at(table[:, 7], row, parts.staleness)
+    table[:, 8] = per_row(~ps & (parts.compressor != 0))
+    table[:, 9] = per_row(~ps & (parts.compressor == 2))
+    counts = np.bincount(row, minlength=len(table))
+    table[:, 10] = counts
+    ring_gbps = charges.cluster.ring_gbps()
+    # A PS part meets its server's NIC, an all-reduced one the ring (server -1 picks it).
+    gbps = np.array([charges.cluster.nic_gbps.get(server, ring_gbps)
+                     for server in parts.servers] + [ring_gbps])[parts.server]
+    table[:, 11] = np.inf
+    np.minimum.at(table[:, 11], row, gbps)
+    # What a part shares its traffic with: its server, or its all-reduce group (one
+    # for all sparse parts), numbered after the servers.
+    _, group = np.unique(parts.group, return_inverse=True)
+    num_servers = len(parts.servers)
+    key = np.where(ps, parts.server, np.where(parts.sparse, num_servers, num_servers + 1 + group))
+    np.maximum.at(table[:, 12], row, np.bincount(key, parts.wire_bytes)[key])
+    np.maximum.at(table[:, 13], row, np.bincount(key)[key])
+    # Charges summed per cell in charge order (bincount adds in input order, as a loop would).
+    scale = 1e3 * np.array([getattr(model.weights, name) for name in COMPONENTS])
+    cells = row[charges.part] * len(FEATURE_NAMES) + _FIRST_COMPONENT_COLUMN + charges.component
+    table += np.bincount(cells, scale[charges.component] * charges.value,
+                         minlength=table.size).reshape(table.shape)
+    # A partitioned variable without part configs has no parts, hence no row.
+    table, counts = table[counts > 0], counts[counts > 0]
+    table[:, [5, 6, 8, 9]] /= counts[:, None]
     table[:, [0, 1, 2, 12, 13]] = np.log1p(table[:, [0, 1, 2, 12, 13]])
-    table[:, 10] = np.log2(parts)
+    table[:, 10] = np.log2(counts)
     table[:, 11] = np.log(table[:, 11])
-    totals = {name: weights[name] * value for name, value in charges.features.items()}
+    totals = {name: getattr(model.weights, name) * value
+              for name, value in charges.features.items()}
     table[:, -3:] = (math.log1p(1e3 * sum(totals.values())), 1e3 * totals["ps_transfer"],
                      1e3 * totals["ring_all_reduce"])
     return table.astype(np.float32)
-
-
-def _sharing_key(part) -> tuple:
-    """What a part shares its traffic with: its server, or its all-reduce group."""
-    if part.is_ps:
-        return ("ps", part.server)
-    return ("ar", "sparse" if part.sparse else part.group)

@@ -1,7 +1,8 @@
 """What a strategy puts on the wire each step: synchronized parts, their bytes, PS loads.
 
 The cost model (``cost_model.py``) turns these bytes into named components; the
-learned simulator will read the same per-part quantities as features.
+learned simulator reads the same per-part quantities as features. Parts are
+held as columns (numpy arrays), so that both work per strategy, not per part.
 
 Traffic rules for a PS part on node ``D``, each replica's gradient ``g`` bytes
 (the part's bytes, or for a sparse gradient the rows it touches, see
@@ -38,6 +39,10 @@ from autodist.strategy.base import StrategyError
 
 Resource = Tuple[str, str]
 """``(node address, "in" | "out" | "local")``."""
+
+DIRECTIONS = ("in", "out", "local")
+"""A node's resources: its NIC inbound, its NIC outbound, its local bus."""
+_IN, _OUT, _LOCAL = range(len(DIRECTIONS))
 
 _FP16_BYTES = 2
 
@@ -133,62 +138,109 @@ def cluster_view(replicas, resource_spec: Any, local_gbps: float) -> ClusterView
     return ClusterView(per_node, nic, float(local_gbps))
 
 
-class SyncPart(NamedTuple):
-    """One synchronized part (a whole variable when not partitioned) and its bytes per step.
+@dataclasses.dataclass(frozen=True)
+class SyncParts:
+    """A strategy's synchronized parts (a part is a whole variable when not partitioned).
 
-    The synchronizer's fields are read once, here: scoring reads every part
-    several times, and a proto field costs far more than a tuple's.
+    One entry per part in every array, in the strategy's order. The synchronizer's
+    fields are read once, here: scoring reads every part of thousands of
+    strategies several times, and arrays let it do so per strategy, not per part.
+
+    Attributes:
+        variables: the variables' names, in the strategy's order.
+        names: each part's name.
+        row: each part's variable, an index into ``variables``.
+        is_ps: synchronized by a parameter server (else by all-reduce).
+        has_grad: the optimizer receives a gradient for it.
+        sparse: its gradient is sparse.
+        value_bytes: bytes of the whole part.
+        grad_bytes: bytes of one replica's gradient: the part, or the rows it touches.
+        wire_bytes: that gradient as an all-reduce sends it (after compression).
+        servers: node addresses of the PS servers.
+        server: PS: its server, an index into ``servers``; -1 for all-reduce.
+        proxy: PS: nodes keep a local copy (local_replication or a staleness bound).
+        staleness: PS: the staleness bound; 0 for all-reduce.
+        aggregate: PS: nodes sum their replicas' gradients (a transfer_destination).
+        compressor: all-reduce: the Compressor enum value; 0 for PS.
+        group: all-reduce: the group; 0 for PS.
     """
 
-    variable: str
-    part: str
-    is_ps: bool
-    has_grad: bool
-    sparse: bool
-    value_bytes: float   # the whole part
-    grad_bytes: float    # one replica's gradient: the part, or the rows it touches
-    wire_bytes: float    # that gradient as an all-reduce sends it (after compression)
-    server: str          # PS: the node address of its server; "" for all-reduce
-    proxy: bool          # PS: nodes keep a local copy (local_replication or a staleness bound)
-    staleness: int       # PS: the staleness bound
-    aggregate: bool      # PS: nodes sum their replicas' gradients (a transfer_destination)
-    compressor: int      # all-reduce: the Compressor enum value; 0 for PS
-    group: int           # all-reduce: the group; 0 for PS
+    variables: List[str]
+    names: List[str]
+    row: np.ndarray
+    is_ps: np.ndarray
+    has_grad: np.ndarray
+    sparse: np.ndarray
+    value_bytes: np.ndarray
+    grad_bytes: np.ndarray
+    wire_bytes: np.ndarray
+    servers: List[str]
+    server: np.ndarray
+    proxy: np.ndarray
+    staleness: np.ndarray
+    aggregate: np.ndarray
+    compressor: np.ndarray
+    group: np.ndarray
 
 
-def _part_bytes(info, axis: int, shape, touched: float) -> Tuple[float, float]:
-    """(bytes of a part's value, bytes of one replica's gradient of it)."""
-    value_bytes = float(_num_elements(shape) * _itemsize(info.dtype))
-    grad_bytes = (sparse_grad_bytes(info.shape, shape, axis, info.dtype, touched)
-                  if info.sparse_grad else value_bytes)
-    return value_bytes, grad_bytes
-
-
-def _sync_part(info, name: str, sync, is_ps: bool, value_bytes: float,
-               grad_bytes: float) -> SyncPart:
-    if is_ps:
-        staleness = sync.staleness
-        return SyncPart(info.name, name, True, info.has_grad, info.sparse_grad, value_bytes,
-                        grad_bytes, grad_bytes, node_of(sync.reduction_destination),
-                        bool(sync.local_replication or staleness > 0), staleness,
-                        bool(sync.transfer_destination), 0, 0)
-    compressor = sync.compressor
-    wire_bytes = grad_bytes
+def _part_bytes(shape: tuple, dtype: str, sparse: bool, axis: int, part_shape: tuple,
+                touched: float) -> Tuple[float, float, float]:
+    """Bytes of a part's value, of one replica's gradient of it, and of that gradient in fp16."""
+    value_bytes = float(_num_elements(part_shape) * _itemsize(dtype))
+    grad_bytes = (sparse_grad_bytes(shape, part_shape, axis, dtype, touched)
+                  if sparse else value_bytes)
     # fp16 compressors change floating dense gradients only; sparse ones are gathered as they are.
-    if compressor and _is_floating(info.dtype) and not info.sparse_grad:
-        wire_bytes = grad_bytes * _FP16_BYTES / _itemsize(info.dtype)
-    return SyncPart(info.name, name, False, info.has_grad, info.sparse_grad, value_bytes,
-                    grad_bytes, wire_bytes, "", False, 0, False, compressor, sync.group)
+    fp16_bytes = (grad_bytes * _FP16_BYTES / _itemsize(dtype)
+                  if _is_floating(dtype) and not sparse else grad_bytes)
+    return value_bytes, grad_bytes, fp16_bytes
+
+
+@functools.lru_cache(maxsize=65536)
+def _split_bytes(shape: tuple, dtype: str, sparse: bool, partitioner: str,
+                 touched: float) -> Tuple[Tuple[float, float, float], ...]:
+    """:func:`_part_bytes` of each part of a variable cut by ``partitioner`` ("" for none).
+
+    Cached: sampled strategies cut the same variables the same few ways.
+    """
+    if not partitioner:
+        return (_part_bytes(shape, dtype, sparse, 0, shape, touched),)
+    counts = [int(c) for c in partitioner.split(",")]
+    axis = next((i for i, c in enumerate(counts) if c > 1), 0)
+    return tuple(_part_bytes(shape, dtype, sparse, axis, part, touched)
+                 for part in common.part_shapes(shape, axis, counts[axis]))
+
+
+def _columns(infos: List[Any], names: List[str], records: List[tuple],
+             devices: Dict[str, int]) -> SyncParts:
+    """Turns the parts' records, built in ``sync_parts``, into :class:`SyncParts`.
+
+    A record is ``(row, value_bytes, grad_bytes, wire_bytes, is_ps, device,
+    proxy, staleness, aggregate, compressor, group)``, ``device`` numbered in
+    ``devices`` (-1 for all-reduce); ``infos`` are the rows' ``VariableInfo``.
+    """
+    table = np.array(records, dtype=np.float64).reshape(len(records), 11)
+    row = table[:, 0].astype(np.intp)
+    flags = np.array([(info.has_grad, info.sparse_grad) for info in infos],
+                     dtype=bool).reshape(len(infos), 2)[row]
+    servers = list(dict.fromkeys(map(node_of, devices)))  # a node's devices share its NIC
+    # Device -1 (all-reduce parts) picks the appended -1.
+    server = np.array([servers.index(node_of(device)) for device in devices] + [-1],
+                      dtype=np.intp)[table[:, 5].astype(np.intp)]
+    return SyncParts([info.name for info in infos], names, row, table[:, 4] != 0,
+                     flags[:, 0], flags[:, 1], table[:, 1], table[:, 2], table[:, 3], servers,
+                     server, table[:, 6] != 0, table[:, 7].astype(np.int64), table[:, 8] != 0,
+                     table[:, 9].astype(np.int64), table[:, 10].astype(np.int64))
 
 
 def sync_parts(strategy: Any, variables, batch_size: int,
-               rows_touched: Mapping[str, float]) -> Tuple[List[SyncPart], Any]:
+               rows_touched: Mapping[str, float]) -> Tuple[SyncParts, Any]:
     """Lists the synchronized parts of a strategy with their bytes.
 
-    A ``CompiledStrategy`` (duck-typed: ``strategy`` and ``variables``) gives its
-    parts as compiled. A ``Strategy`` is read directly, without the compiler's
-    checks: scoring thousands of samples must be cheap, and the sampler's output
-    compiles by construction. Compile a strategy of unknown origin first.
+    A ``CompiledStrategy`` (duck-typed: ``strategy`` and ``variables``) is read
+    through its ``Strategy``, which the compiler has checked. A ``Strategy`` is
+    read without the compiler's checks: scoring thousands of samples must be
+    cheap, and the sampler's output compiles by construction. Compile a
+    strategy of unknown origin first.
 
     Args:
         strategy: a ``CompiledStrategy`` or a ``Strategy``.
@@ -198,81 +250,104 @@ def sync_parts(strategy: Any, variables, batch_size: int,
         rows_touched: variable name -> rows one replica's step touches.
 
     Returns:
-        tuple: (the parts in graph order, the ``Strategy``).
+        tuple: (the parts, the ``Strategy``).
 
     Raises:
         StrategyError: if a ``Strategy`` lacks a config for a variable, has one
             for an unknown variable, or a part without a synchronizer.
     """
-    parts: List[SyncPart] = []
     if hasattr(strategy, "variables") and hasattr(strategy, "strategy"):
-        for compiled in strategy.variables.values():
-            info = compiled.info
-            axis = compiled.plan.axis if compiled.plan is not None else 0
-            touched = rows_touched.get(info.name, batch_size)
-            parts.extend(_sync_part(info, part.name, part.synchronizer, part.is_ps,
-                                    *_part_bytes(info, axis, part.shape, touched))
-                         for part in compiled.parts)
-        return parts, strategy.strategy
+        variables = [compiled.info for compiled in strategy.variables.values()]
+        strategy = strategy.strategy
     by_name = {v.name: v for v in variables}
     nodes = list(strategy.node_config)  # one wrapper per node, not one per access
-    configured = {node.var_name for node in nodes}
+    node_names = [node.var_name for node in nodes]
+    configured = set(node_names)
     missing = [name for name in by_name if name not in configured]
     extra = sorted(configured - set(by_name))
     if missing or extra:
         raise StrategyError(f"Cost model: strategy {strategy.id} does not match the variables: "
                             f"without a config {missing}; configs for unknown variables {extra}.")
-    for node in nodes:
-        info = by_name[node.var_name]
-        touched = rows_touched.get(info.name, batch_size)
+    names: List[str] = []
+    records: List[tuple] = []  # per part; see _columns
+    devices: Dict[str, int] = {}  # PS device -> its number, in order of appearance
+    for row, (node, name) in enumerate(zip(nodes, node_names)):
+        info = by_name[name]
         partitioner = node.partitioner
-        if partitioner:
-            counts = [int(c) for c in partitioner.split(",")]
-            axis = next((i for i, c in enumerate(counts) if c > 1), 0)
-            units = zip(node.part_config, common.part_shapes(info.shape, axis, counts[axis]))
-        else:
-            axis, units = 0, ((node, tuple(info.shape)),)
-        part_bytes = {}  # by shape: a variable's parts differ by one row at most
-        for unit, shape in units:
+        split = _split_bytes(tuple(info.shape), info.dtype, info.sparse_grad, partitioner,
+                             rows_touched.get(name, batch_size))
+        # Inlined rather than a function per part: this loop runs for every part of
+        # thousands of candidates, and a call costs as much as the work.
+        for unit, (value_bytes, grad_bytes, fp16_bytes) in zip(
+                node.part_config if partitioner else (node,), split):
             kind = unit.WhichOneof("synchronizer")
-            if kind is None:
+            names.append(unit.var_name)
+            if kind == "PSSynchronizer":
+                sync = unit.PSSynchronizer
+                staleness = sync.staleness
+                records.append((row, value_bytes, grad_bytes, grad_bytes, True,
+                                devices.setdefault(sync.reduction_destination, len(devices)),
+                                sync.local_replication or staleness > 0, staleness,
+                                sync.transfer_destination != "", 0, 0))
+            elif kind == "AllReduceSynchronizer":
+                sync = unit.AllReduceSynchronizer
+                compressor = sync.compressor
+                records.append((row, value_bytes, grad_bytes,
+                                fp16_bytes if compressor else grad_bytes, False, -1, False, 0,
+                                False, compressor, sync.group))
+            else:
                 raise StrategyError(f"Cost model: '{unit.var_name}' has no synchronizer; set "
                                     "PSSynchronizer or AllReduceSynchronizer.")
-            if shape not in part_bytes:
-                part_bytes[shape] = _part_bytes(info, axis, shape, touched)
-            parts.append(_sync_part(info, unit.var_name, getattr(unit, kind),
-                                    kind == "PSSynchronizer", *part_bytes[shape]))
-    return parts, strategy
+    return _columns([by_name[name] for name in node_names], names, records, devices), strategy
 
 
-class PSFlow(NamedTuple):
-    """How one PS part's bytes move each step; loads are linear in ``push`` and ``read``."""
+class PSFlows(NamedTuple):
+    """How PS parts' bytes move each step, one entry per part; loads are linear in push and read."""
 
-    server: str
-    push_once: bool   # a node sends one summed gradient, not one per replica
-    proxy: bool       # a node pulls one copy for all its replicas
-    push: float       # one replica's gradient bytes
-    read: float       # bytes one read moves, already divided by the refresh period
-
-
-def ps_flow(part: SyncPart, split_step: bool) -> PSFlow:
-    """Applies the module's traffic rules to one PS part."""
-    proxy = part.proxy or split_step
-    aggregate = part.aggregate or split_step
-    read = part.grad_bytes if part.sparse and not proxy else part.value_bytes
-    return PSFlow(part.server, aggregate and not part.sparse, proxy,
-                  part.grad_bytes if part.has_grad else 0.0, read / (part.staleness + 1))
+    server: np.ndarray     # index into the parts' servers
+    push_once: np.ndarray  # a node sends one summed gradient, not one per replica
+    proxy: np.ndarray      # a node pulls one copy for all its replicas
+    push: np.ndarray       # one replica's gradient bytes
+    read: np.ndarray       # bytes one read moves, already divided by the refresh period
 
 
-def add_ps_loads(loads: Dict[Resource, float], flow: PSFlow, cluster: ClusterView) -> None:
-    """Adds the bytes ``flow`` puts on every resource to ``loads`` (mutated)."""
-    server = flow.server
-    for node, count in cluster.replicas_per_node.items():
-        pull = flow.read if flow.proxy else count * flow.read
-        if node == server:
-            loads[(node, "local")] = loads.get((node, "local"), 0.0) + count * flow.push + pull
-            continue
-        sent = flow.push if flow.push_once else count * flow.push
-        for resource, num_bytes in (((node, "out"), sent), ((server, "in"), sent),
-                                    ((server, "out"), pull), ((node, "in"), pull)):
-            loads[resource] = loads.get(resource, 0.0) + num_bytes
+def ps_flows(parts: SyncParts, index: np.ndarray, split_step: bool) -> PSFlows:
+    """Applies the module's traffic rules to the PS parts ``index`` of ``parts``."""
+    proxy = parts.proxy[index] | split_step
+    sparse = parts.sparse[index]
+    grad_bytes = parts.grad_bytes[index]
+    read = np.where(sparse & ~proxy, grad_bytes, parts.value_bytes[index])
+    return PSFlows(parts.server[index], (parts.aggregate[index] | split_step) & ~sparse, proxy,
+                   np.where(parts.has_grad[index], grad_bytes, 0.0),
+                   read / (parts.staleness[index] + 1))
+
+
+def ps_loads(flows: PSFlows, servers: List[str],
+             cluster: ClusterView) -> Tuple[List[str], np.ndarray]:
+    """The bytes each flow puts on every resource per step.
+
+    Args:
+        flows: from :func:`ps_flows`.
+        servers: the node addresses ``flows.server`` indexes.
+        cluster: the replicas per node.
+
+    Returns:
+        tuple: (the nodes: the replicas' first, then other servers; the bytes,
+        ``[node, direction (DIRECTIONS), flow]``).
+    """
+    nodes = list(cluster.replicas_per_node)
+    nodes += [node for node in servers if node not in cluster.replicas_per_node]
+    server = np.array([nodes.index(node) for node in servers], dtype=np.intp)[flows.server]
+    flow = np.arange(len(server))
+    loads = np.zeros((len(nodes), len(DIRECTIONS), len(server)))
+    for node, count in enumerate(cluster.replicas_per_node.values()):
+        here = server == node
+        pull = np.where(flows.proxy, flows.read, count * flows.read)
+        loads[node, _LOCAL] += np.where(here, count * flows.push + pull, 0.0)
+        sent = np.where(here, 0.0, np.where(flows.push_once, flows.push, count * flows.push))
+        pull = np.where(here, 0.0, pull)
+        loads[node, _OUT] += sent
+        loads[server, _IN, flow] += sent
+        loads[server, _OUT, flow] += pull
+        loads[node, _IN] += pull
+    return nodes, loads
