@@ -191,29 +191,31 @@ def test_a_node_that_cannot_be_started_is_named(two_nodes, tmp_path):
     _assert_no_job_left()
 
 
-@pytest.mark.timeout(180)
-def test_ctrl_c_on_the_chief_stops_every_worker(two_nodes, tmp_path):
-    cluster, spec = two_nodes
+def _signal_chief_while_training(cluster, spec, tmp_path, builder, signum) -> int:
+    """Starts a long job, waits until both nodes train, signals the chief; its exit code."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     chief = subprocess.Popen([*cluster.hosts[0].launch_prefix, sys.executable, "-u", JOB, spec,
-                              "AllReduce", str(tmp_path / "v.npz"), "--steps", "100000"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                              builder, str(tmp_path / "v.npz"), "--steps", "100000"],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                             env=env)
     try:
-        # Wait until both nodes train, then interrupt the chief as Ctrl-C would.
         seen = set()
         deadline = time.monotonic() + 120
         while len(seen) < 2 and time.monotonic() < deadline:
-            line = chief.stdout.readline()
-            match = re.match(r"node (\d) step", line)
+            match = re.match(r"node (\d) step", chief.stdout.readline())
             if match:
                 seen.add(match.group(1))
         assert seen == {"0", "1"}
-        chief.send_signal(signal.SIGINT)
-        chief.wait(timeout=60)
+        chief.send_signal(signum)
+        return chief.wait(timeout=60)
     finally:
         if chief.poll() is None:
             chief.kill()
-    assert chief.returncode != 0
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_on_the_chief_stops_every_worker(two_nodes, tmp_path):
+    assert _signal_chief_while_training(*two_nodes, tmp_path, "AllReduce", signal.SIGINT) != 0
     time.sleep(1)
     _assert_no_job_left()
 
@@ -221,20 +223,6 @@ def test_ctrl_c_on_the_chief_stops_every_worker(two_nodes, tmp_path):
 @pytest.mark.timeout(180)
 def test_a_chief_killed_outright_takes_its_workers_with_it(two_nodes, tmp_path):
     """SIGKILL leaves the chief no chance to stop its workers; the kernel ends them."""
-    cluster, spec = two_nodes
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    chief = subprocess.Popen([*cluster.hosts[0].launch_prefix, sys.executable, "-u", JOB, spec,
-                              "PS", str(tmp_path / "v.npz"), "--steps", "100000"],
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                             env=env)
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not chief.stdout.readline().startswith("node 1 step"):
-            pass
-        chief.kill()
-        chief.wait(timeout=30)
-    finally:
-        if chief.poll() is None:
-            chief.kill()
+    _signal_chief_while_training(*two_nodes, tmp_path, "PS", signal.SIGKILL)
     time.sleep(2)  # well below the 30 s after which an orphan notices the silent chief
     _assert_no_job_left()
