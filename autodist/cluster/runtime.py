@@ -120,13 +120,13 @@ def wait_until_tf_ports_free(spec: ResourceSpec, timeout: float) -> bool:
         return True  # a one-node job starts no TensorFlow server
     port, deadline = tf_port(), time.monotonic() + timeout
     busy = list(spec.node_addresses)
-    while busy:
+    while True:
         busy = [a for a in busy if _accepts_connections(a, port)]
-        if busy and time.monotonic() >= deadline:
+        if not busy:
+            return True
+        if time.monotonic() >= deadline:
             return False
-        if busy:
-            time.sleep(0.5)
-    return True
+        time.sleep(0.5)
 
 
 def _accepts_connections(address: str, port: int) -> bool:
@@ -278,7 +278,7 @@ def _die_with_launcher() -> None:
     if not sys.platform.startswith("linux"):
         return
     pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL)
     if os.getppid() == 1:  # the launcher ended before the call above
         os._exit(1)
 
