@@ -117,11 +117,12 @@ def test_sparse_all_reduce_is_an_all_gather_of_the_touched_rows():
 
 # ----------------------------------------------------------------------------- parameter servers
 
-def test_ps_with_three_remote_replicas_loads_the_server_nic_three_times():
+def test_ps_with_three_remote_replicas_loads_the_server_nic_three_times_per_phase():
     node = common.ps_node_config("v", f"{A}:CPU:0")
-    got = predict(strategy_of(ONE_PLUS_THREE, node), [vec("v")], ONE_PLUS_THREE)
-    assert got == pytest.approx(seconds(3 * MB4, 1) + OVERHEAD)  # 0.096 s + one part
-    assert got == pytest.approx(0.096 + OVERHEAD)
+    result = breakdown(strategy_of(ONE_PLUS_THREE, node), [vec("v")], ONE_PLUS_THREE)
+    # Three pushes into A (0.096 s), then three pulls out of A (0.096 s): the phases add.
+    assert result.total == pytest.approx(2 * seconds(3 * MB4, 1) + OVERHEAD)
+    assert result.total == pytest.approx(0.192 + OVERHEAD)
 
 
 def test_a_local_proxy_pulls_once_per_node_and_staleness_divides_the_pulls():
@@ -139,31 +140,33 @@ def test_a_local_proxy_pulls_once_per_node_and_staleness_divides_the_pulls():
     assert stale == pytest.approx(0.016)
 
 
-def test_a_proxy_alone_leaves_the_pushes_binding_a_transfer_destination_sums_them():
+def test_a_proxy_pulls_once_per_node_a_transfer_destination_pushes_once():
     v = [vec("v")]
     proxy = common.ps_node_config("v", f"{A}:CPU:0", local_replication=True)
+    # Three pushes (0.096 s), one pull for B's three replicas (0.032 s).
     assert predict(strategy_of(ONE_PLUS_THREE, proxy), v, ONE_PLUS_THREE) == pytest.approx(
-        0.096 + OVERHEAD)
+        0.096 + 0.032 + OVERHEAD)
     summed = common.ps_node_config("v", f"{A}:CPU:0", local_replication=True)
     summed.PSSynchronizer.transfer_destination = f"{B}:CPU:0"
     assert predict(strategy_of(ONE_PLUS_THREE, summed), v, ONE_PLUS_THREE) == pytest.approx(
-        0.032 + OVERHEAD)
+        0.032 + 0.032 + OVERHEAD)
 
 
-def test_the_busiest_nic_binds():
-    # Server A at 2 Gbit/s receives 3 pushes (0.048 s); B at 1 Gbit/s sends them (0.096 s)
-    # and, with a proxy, receives one pull (0.032 s).
+def test_the_busiest_nic_of_each_phase_binds():
+    # Push: server A at 2 Gbit/s receives 3 pushes (0.048 s); B at 1 Gbit/s sends them
+    # (0.096 s). Pull, with a proxy: A sends one copy (0.016 s), B receives it (0.032 s).
     lopsided = spec((A, 1, 2), (B, 3, 1))
     node = common.ps_node_config("v", f"{A}:CPU:0", local_replication=True)
     result = breakdown(strategy_of(lopsided, node), [vec("v")], lopsided)
-    assert result.binding_resource == f"{B} out"
-    assert result.totals["ps_transfer"] == pytest.approx(0.096)
-    # Two servers: B is slower, so the traffic of the variable it serves binds.
+    assert result.binding_resource == f"{B} out (push), {B} in (pull)"
+    assert result.totals["ps_transfer"] == pytest.approx(0.096 + 0.032)
+    # Two servers, B at 0.5 Gbit/s serves w (8 MB). Push: B sends v to A (0.064 s) and
+    # receives w (0.128 s). Pull: B sends w (0.128 s) and receives v (0.064 s).
     two = spec((A, 1, 1), (B, 1, 0.5))
     nodes = [common.ps_node_config("v", f"{A}:CPU:0"), common.ps_node_config("w", f"{B}:CPU:0")]
     result = breakdown(strategy_of(two, *nodes), [vec("v"), vec("w", 2_000_000)], two)
-    assert result.binding_resource.startswith(B)
-    assert result.totals["ps_transfer"] == pytest.approx(seconds(3 * MB4, 0.5))  # 0.192 s
+    assert result.binding_resource == f"{B} in (push), {B} out (pull)"
+    assert result.totals["ps_transfer"] == pytest.approx(2 * seconds(2 * MB4, 0.5))  # 0.256 s
 
 
 def test_replicas_next_to_the_server_use_the_local_bus():
@@ -177,10 +180,22 @@ def test_sparse_ps_moves_touched_rows_but_a_proxy_copies_the_whole_part():
     dest = f"{A}:CPU:0"
     rows = predict(strategy_of(ONE_PLUS_THREE, common.ps_node_config("emb", dest)),
                    emb, ONE_PLUS_THREE, batch_size=10)
-    assert rows == pytest.approx(seconds(3 * 10 * 256, 1) + OVERHEAD)
+    touched = 3 * 10 * 256  # three replicas' 10 rows of 64 floats
+    assert rows == pytest.approx(2 * seconds(touched, 1) + OVERHEAD)
     proxy = predict(strategy_of(ONE_PLUS_THREE, common.ps_node_config("emb", dest, True)),
                     emb, ONE_PLUS_THREE, batch_size=10)
-    assert proxy == pytest.approx(seconds(1000 * 256, 1) + OVERHEAD)
+    assert proxy == pytest.approx(seconds(touched, 1) + seconds(1000 * 256, 1) + OVERHEAD)
+
+
+def test_a_partitioned_sparse_variable_is_pulled_whole():
+    # The partitioner re-stitches the parts before the lookup, so every part is read
+    # whole; the pushes still carry the touched rows, 5 of each replica's 10 per part.
+    emb = [VariableInfo("emb", (1000, 64), "float32", sparse_grad=True)]
+    parts = [common.ps_node_config(common.part_name("emb", i), f"{A}:CPU:0") for i in range(2)]
+    split = predict(strategy_of(ONE_PLUS_THREE, common.partitioned_node_config("emb", 0, 2, parts)),
+                    emb, ONE_PLUS_THREE, batch_size=10)
+    assert split == pytest.approx(seconds(3 * 10 * 256, 1) + seconds(3 * 1000 * 256, 1)
+                                  + 2 * OVERHEAD)
 
 
 def test_many_parts_on_one_server_cost_their_overhead_not_more_bytes():
@@ -200,8 +215,9 @@ def test_mixing_ps_and_all_reduce_on_several_nodes_sums_and_proxies_per_node():
                       variables, ONE_PLUS_THREE)
     mixed = breakdown(strategy_of(ONE_PLUS_THREE, common.ps_node_config("v", f"{A}:CPU:0"),
                                   common.ar_node_config("w", 0)), variables, ONE_PLUS_THREE)
-    assert ps_only == pytest.approx(seconds(3 * (MB4 + 40), 1) + 2 * OVERHEAD)
-    assert mixed.totals["ps_transfer"] == pytest.approx(seconds(MB4, 1))  # one push, one pull
+    assert ps_only == pytest.approx(2 * seconds(3 * (MB4 + 40), 1) + 2 * OVERHEAD)
+    # B sums its replicas' gradients and its proxy pulls once: one push, then one pull.
+    assert mixed.totals["ps_transfer"] == pytest.approx(2 * seconds(MB4, 1))
 
 
 # ----------------------------------------------------------------------------- explanation

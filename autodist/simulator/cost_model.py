@@ -15,8 +15,9 @@ The prediction is a linear combination of a few named components, each a
 * ``ps_transfer`` (seconds at nominal bandwidth): PS gradients pushed and
   values pulled, accumulated per resource: each node's NIC inbound, its NIC
   outbound (full duplex: ``autodist emulate`` shapes both directions
-  separately) and its local bus for replicas next to the server. The busiest
-  resource binds.
+  separately) and its local bus for replicas next to the server. Pushes and
+  pulls are phases one after the other, so the busiest resource of each phase
+  binds and the two add up.
 * ``ps_part_overhead`` (PS parts with a gradient): fixed per-part work every
   step (send, accumulate, apply, read), so that many tiny parts cost something.
 
@@ -31,8 +32,8 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 
-from autodist.simulator.traffic import (DIRECTIONS, ClusterView, SyncParts, cluster_view,
-                                        ps_flows, ps_loads, seconds, sync_parts)
+from autodist.simulator.traffic import (DIRECTIONS, PHASES, ClusterView, SyncParts,
+                                        cluster_view, ps_flows, ps_loads, seconds, sync_parts)
 
 COMPONENTS = ("ring_all_reduce", "all_gather", "collective_latency", "ps_transfer",
               "ps_part_overhead")
@@ -84,8 +85,8 @@ class CostBreakdown:
         features: component -> unweighted value (for fitting weights later).
         totals: component -> seconds (weighted), every component present.
         weights: component -> weight used.
-        binding_resource: the PS resource that binds, e.g. ``"10.0.0.1 in"``,
-            or None without PS traffic.
+        binding_resource: the PS resource that binds in each phase, e.g.
+            ``"10.0.0.1 in (push), 10.0.0.1 out (pull)"``, or None without PS traffic.
     """
 
     rows: Tuple[CostRow, ...]
@@ -220,7 +221,7 @@ class Charges(NamedTuple):
         part: the part charged, an index into ``parts``.
         component: the component charged, an index into ``COMPONENTS``.
         value: the unweighted value charged.
-        binding: the binding PS resource, e.g. ``"10.0.0.1 in"``, or None.
+        binding: the binding PS resources, as ``CostBreakdown.binding_resource``.
     """
 
     parts: SyncParts
@@ -295,22 +296,25 @@ def _ps_charges(parts: SyncParts, index: np.ndarray, cluster: ClusterView, split
 
     Returns:
         tuple: (component -> feature; the charges of those parts: the overhead
-        and each part's share of the binding resource; the binding resource,
-        e.g. ``"10.0.0.1 in"``, or None without PS traffic).
+        and each part's share of the binding resources; the binding resources,
+        e.g. ``"10.0.0.1 in (push), 10.0.0.1 out (pull)"``, or None without PS traffic).
     """
     has_grad = parts.has_grad[index]
     features = {"ps_part_overhead": float(np.count_nonzero(has_grad))}
     nodes, loads = ps_loads(ps_flows(parts, index, split_step), parts.servers, cluster)
-    totals = loads.sum(axis=2).tolist()
-    busy = [(seconds(num_bytes, cluster.gbps((node, direction))), (node, direction))
-            for node, per_direction in zip(nodes, totals)
-            for direction, num_bytes in zip(DIRECTIONS, per_direction) if num_bytes > 0]
     share: _Column = 0.0
-    binding = None
-    if busy:
-        features["ps_transfer"], binding = max(busy)
-        share = seconds(loads[nodes.index(binding[0]), DIRECTIONS.index(binding[1])],
-                        cluster.gbps(binding))
+    bindings = []
+    for phase, phase_loads in zip(PHASES, loads):
+        busy = [(seconds(num_bytes, cluster.gbps((node, direction))), node, direction)
+                for node, per_direction in zip(nodes, phase_loads.sum(axis=2).tolist())
+                for direction, num_bytes in zip(DIRECTIONS, per_direction) if num_bytes > 0]
+        if not busy:
+            continue
+        busiest, node, direction = max(busy)
+        features["ps_transfer"] = features.get("ps_transfer", 0.0) + busiest
+        share = share + seconds(phase_loads[nodes.index(node), DIRECTIONS.index(direction)],
+                                cluster.gbps((node, direction)))
+        bindings.append(f"{node} {direction} ({phase})")
     charged = _interleave(index, ("ps_part_overhead", 1.0, has_grad),
                           ("ps_transfer", share, share != 0))
-    return features, charged, None if binding is None else f"{binding[0]} {binding[1]}"
+    return features, charged, ", ".join(bindings) or None

@@ -36,7 +36,7 @@ def format_breakdown(breakdown: CostBreakdown, top: Optional[int] = 20) -> str:
     total = breakdown.total
     binding = breakdown.binding_resource
     lines: List[str] = [f"Predicted {_ms(total)} ms per iteration"
-                        + (f"; busiest PS resource: {binding}." if binding else ".")]
+                        + (f"; busiest PS resources: {binding}." if binding else ".")]
     name_width = max([len("variable")] + [len(name) for name, _ in shown] + [len("(others)")])
     widths = [max(len(c), 10) for c in COMPONENTS]
     header = "  ".join([f"{'variable':<{name_width}}"]

@@ -13,16 +13,19 @@ Traffic rules for a PS part on node ``D``, each replica's gradient ``g`` bytes
   strategy mixes PS and AllReduce (README), a node sums its replicas' gradients
   first and sends one dense ``g``; sparse sums concatenate rows, so they do not
   shrink.
-* pull: each remote replica reads ``v``; a sparse-gradient variable is read by a
-  gather on its server, so only the touched rows travel. With a local proxy
-  (``local_replication``, a staleness bound or a split step) each remote node
-  copies the whole part once.
+* pull: each remote replica reads ``v``; a whole sparse-gradient variable is
+  read by a gather on its server, so only the touched rows travel, but a
+  partitioned one is read whole, since the partitioner re-stitches its parts
+  before the lookup. With a local proxy (``local_replication``, a staleness
+  bound or a split step) each remote node copies the whole part once.
 * staleness ``s`` refreshes proxies every ``s + 1`` steps, so pulls are divided
   by ``s + 1``; pushes are not, since every gradient is still applied.
 * replicas on ``D`` itself load ``D``'s local bus instead of its NIC.
 
 NICs are full duplex (``autodist emulate`` shapes both directions separately),
-so a node's inbound and outbound bytes are separate resources.
+so a node's inbound and outbound bytes are separate resources. Pushes and pulls
+are separate phases of a step, though (:data:`PHASES`), so they cannot use the
+two directions at once.
 """
 from __future__ import annotations
 
@@ -43,6 +46,12 @@ Resource = Tuple[str, str]
 DIRECTIONS = ("in", "out", "local")
 """A node's resources: its NIC inbound, its NIC outbound, its local bus."""
 _IN, _OUT, _LOCAL = range(len(DIRECTIONS))
+
+PHASES = ("push", "pull")
+"""The phases of a synchronous PS step, one after the other: a step's reads wait
+for the previous step's updates (proxies are refreshed after them), and the
+gradients are pushed after the reads."""
+_PUSH, _PULL = range(len(PHASES))
 
 _FP16_BYTES = 2
 
@@ -316,7 +325,8 @@ def ps_flows(parts: SyncParts, index: np.ndarray, split_step: bool) -> PSFlows:
     proxy = parts.proxy[index] | split_step
     sparse = parts.sparse[index]
     grad_bytes = parts.grad_bytes[index]
-    read = np.where(sparse & ~proxy, grad_bytes, parts.value_bytes[index])
+    partitioned = np.bincount(parts.row, minlength=len(parts.variables))[parts.row[index]] > 1
+    read = np.where(sparse & ~proxy & ~partitioned, grad_bytes, parts.value_bytes[index])
     return PSFlows(parts.server[index], (parts.aggregate[index] | split_step) & ~sparse, proxy,
                    np.where(parts.has_grad[index], grad_bytes, 0.0),
                    read / (parts.staleness[index] + 1))
@@ -333,21 +343,23 @@ def ps_loads(flows: PSFlows, servers: List[str],
 
     Returns:
         tuple: (the nodes: the replicas' first, then other servers; the bytes,
-        ``[node, direction (DIRECTIONS), flow]``).
+        ``[phase (PHASES), node, direction (DIRECTIONS), flow]``).
     """
     nodes = list(cluster.replicas_per_node)
     nodes += [node for node in servers if node not in cluster.replicas_per_node]
     server = np.array([nodes.index(node) for node in servers], dtype=np.intp)[flows.server]
     flow = np.arange(len(server))
-    loads = np.zeros((len(nodes), len(DIRECTIONS), len(server)))
+    loads = np.zeros((len(PHASES), len(nodes), len(DIRECTIONS), len(server)))
+    push, pull = loads[_PUSH], loads[_PULL]
     for node, count in enumerate(cluster.replicas_per_node.values()):
         here = server == node
-        pull = np.where(flows.proxy, flows.read, count * flows.read)
-        loads[node, _LOCAL] += np.where(here, count * flows.push + pull, 0.0)
+        reads = np.where(flows.proxy, flows.read, count * flows.read)
+        push[node, _LOCAL] += np.where(here, count * flows.push, 0.0)
+        pull[node, _LOCAL] += np.where(here, reads, 0.0)
         sent = np.where(here, 0.0, np.where(flows.push_once, flows.push, count * flows.push))
-        pull = np.where(here, 0.0, pull)
-        loads[node, _OUT] += sent
-        loads[server, _IN, flow] += sent
-        loads[server, _OUT, flow] += pull
-        loads[node, _IN] += pull
+        reads = np.where(here, 0.0, reads)
+        push[node, _OUT] += sent
+        push[server, _IN, flow] += sent
+        pull[server, _OUT, flow] += reads
+        pull[node, _IN] += reads
     return nodes, loads

@@ -23,7 +23,7 @@ import sys
 from typing import Optional
 
 from autodist.resource_spec import ResourceSpec
-from autodist.simulator.features import FEATURE_NAMES
+from autodist.simulator.features import FEATURE_NAMES, FEATURES_VERSION
 from autodist.simulator.ranking import RankingSimulator, SimulatorStateError
 from autodist.strategy import BUILDERS
 from autodist.strategy.auto.sampler import SamplerConstraints
@@ -166,11 +166,11 @@ class _Progress:
 
 
 def _problem_key(graph, resource_spec: ResourceSpec) -> str:
-    """Identifies a (model, cluster): the variables and the spec's nodes and links."""
+    """Identifies a (model, cluster) and the features' version a simulator was trained on."""
     variables = [dataclasses.astuple(v) for v in graph.trainable_variables]
     nodes = [(n.address, list(n.cpus), list(n.gpus)) for n in resource_spec.nodes]
-    text = json.dumps([variables, nodes, sorted(resource_spec.network_bandwidth.items())],
-                      default=str)
+    text = json.dumps([variables, nodes, sorted(resource_spec.network_bandwidth.items()),
+                       FEATURES_VERSION], default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
