@@ -77,6 +77,8 @@ def test_a_search_on_a_known_landscape():
     predicted = [prior_seconds(search.features(builders[s.split(":")[1]])) for s in sources[:8]]
     assert predicted == sorted(predicted)
     assert len(sources) == 20 and len({t.strategy.id for t in result.trials}) == 20
+    # A quarter of the 12 trials the search picked were drawn at random.
+    assert sources.count("explore") == 3 and sources.count("search") == 9
     # The result is the fastest trial, and the search found better than every builder.
     measured = [t.result.seconds_per_step for t in result.trials]
     assert result.best_seconds == min(measured)
@@ -135,6 +137,23 @@ def test_explain_names_a_missing_script(tmp_path, capsys):
     BUILDERS["PS"]().build(synthetic_graph(2), heterogeneous_cluster()).save(str(strategy))
     assert cli.main(["explain", str(strategy), "--script", str(tmp_path / "nope.py")]) == 1
     assert "nope.py' does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("share, random_picks", [(0.0, 0), (0.3, 2), (1.0, 8)])
+def test_a_share_of_the_search_trials_is_drawn_at_random(share, random_picks):
+    graph, spec = synthetic_graph(10), heterogeneous_cluster()
+    search = StrategySearch(graph, spec, candidates=40, per_round=3, explore_share=share)
+    result = search.run(lambda s: TrialResult(prior_seconds(search.features(s))), trials=8)
+    sources = [t.source for t in result.trials]
+    # Each round's random picks come first; over the search they keep to their share.
+    assert sources.count("explore") == random_picks and len(sources) == 8
+    assert all(sources[i:i + 3] == sorted(sources[i:i + 3]) for i in range(0, 8, 3))
+
+
+def test_the_explore_share_is_checked():
+    with pytest.raises(ValueError, match="explore_share must be within \\[0, 1\\], got 1.5"):
+        StrategySearch(synthetic_graph(2), heterogeneous_cluster(), explore_share=1.5)
 
 
 def test_a_search_stops_when_every_strategy_was_tried():

@@ -7,10 +7,16 @@ Each round:
 3. candidates scored above the simulator's *fidelity level* are dropped: the
    score up to which its ranking of the measured trials is still at least 80%
    right (before enough trials, nothing is dropped);
-4. ``per_round`` trial candidates are picked greedily, trading a good score
-   against being unlike every strategy picked or tried before;
+4. ``per_round`` trial candidates are picked: a share of the search's trials
+   (``explore_share``) is drawn at random among all candidates, the others
+   greedily, trading a good score against being unlike every strategy picked
+   or tried before;
 5. they run for real and their times are recorded;
 6. the simulator is retrained on every trial so far.
+
+The random picks are there for the simulator: it learns from the trials, and
+the trials of its own favourites only teach it about strategies like them, so
+it ranks the rest of the space no better, or worse, than the cost model did.
 
 The search ends when the trial budget is spent and returns the fastest
 strategy measured. The hand-written builders can open the search as trials:
@@ -40,6 +46,7 @@ FIDELITY_ACCURACY = 0.8
 MIN_TRIALS_FOR_FIDELITY = 4
 RECENT_TRIALS = 16
 DIVERSITY_WEIGHT = 0.5
+EXPLORE_SHARE = 0.25
 # Columns that say how a variable is synchronized: what diversity compares.
 _CHOICE_COLUMNS = [FEATURE_NAMES.index(name) for name in
                    ("ps_share", "proxy_share", "log2_parts", "fp16_share", "log_shared_parts")]
@@ -55,7 +62,8 @@ class TrialRecord:
     Attributes:
         index: 1-based position among the trials.
         strategy: what ran.
-        source: ``"builder:<name>"`` or ``"search"``.
+        source: ``"builder:<name>"``, ``"search"`` (picked by score and diversity)
+            or ``"explore"`` (picked at random).
         predicted: the simulator's score before the trial ran.
         cost_model: the cost model's seconds for it.
         result: the measurement.
@@ -88,12 +96,16 @@ class SearchResult:
 
     @property
     def hit_rate(self) -> Optional[float]:
-        """Share of search trials faster than the best hand-written builder."""
-        searched = [t for t in self.trials if t.source == "search"]
+        """Share of the search's own trials faster than the best hand-written builder."""
+        searched = [t for t in self.trials if _searched(t)]
         if self.baseline_seconds is None or not searched:
             return None
-        return sum(t.result.ok and t.result.seconds_per_step < self.baseline_seconds
-                   for t in searched) / len(searched)
+        return sum(map(self.is_hit, searched)) / len(searched)
+
+    def is_hit(self, entry: "TrialRecord") -> bool:
+        """Whether a trial beat the best hand-written builder."""
+        return bool(entry.result.ok and self.baseline_seconds is not None
+                    and entry.result.seconds_per_step < self.baseline_seconds)
 
 
 class StrategySearch:
@@ -106,6 +118,8 @@ class StrategySearch:
         constraints: what the sampler may choose.
         candidates: strategies sampled per round.
         per_round: trials per round.
+        explore_share: share of the search's trials picked at random among the
+            candidates rather than by score.
         seed: seed of the sampler.
         simulator: a simulator to continue from; a fresh one starting from the
             cost model if None.
@@ -114,14 +128,18 @@ class StrategySearch:
 
     def __init__(self, variables, resource_spec, *, batch_size: int = 32,
                  constraints: SamplerConstraints = SamplerConstraints(), candidates: int = 2000,
-                 per_round: int = 4, seed: int = 0, simulator: Optional[RankingSimulator] = None,
+                 per_round: int = 4, explore_share: float = EXPLORE_SHARE, seed: int = 0,
+                 simulator: Optional[RankingSimulator] = None,
                  cost_model: Optional[CostModel] = None):
+        if not 0.0 <= explore_share <= 1.0:
+            raise ValueError(f"explore_share must be within [0, 1], got {explore_share!r}.")
         self._variables = list(getattr(variables, "trainable_variables", variables))
         self._spec = resource_spec
         self._batch_size = batch_size
         self._sampler = StrategySampler(self._variables, resource_spec, constraints)
         self._candidates = candidates
         self._per_round = per_round
+        self._explore_share = explore_share
         self._seed = seed
         self._cost_model = cost_model or CostModel()
         self.simulator = simulator or RankingSimulator(len(FEATURE_NAMES), prior=prior_seconds,
@@ -176,8 +194,8 @@ class StrategySearch:
             round_index += 1
             if not picks:
                 break  # a small model: every strategy the sampler draws was tried
-            for strategy, score, features in picks:
-                record(strategy, "search", score, features)
+            for strategy, source, score, features in picks:
+                record(strategy, source, score, features)
             self._retrain(records)
         if result.best is None:
             raise RuntimeError(f"Every one of the {len(records)} trials failed; the first: "
@@ -194,13 +212,22 @@ class StrategySearch:
         return list(unique.values())
 
     def _pick(self, round_index: int, records: List[TrialRecord], count: int) -> list:
-        """``count`` (strategy, score, features) to try next: good scores, unlike each other."""
+        """``count`` (strategy, source, score, features) to try next, random picks first."""
         candidates = self.candidates(round_index, {r.strategy.id for r in records})
         if not candidates:
             return []
         features = [self.features(c) for c in candidates]
         scores = self.simulator.score(features)
-        keep = np.arange(len(candidates))
+        # Random picks keep up with their share of the search's trials so far, this round's included.
+        searched = [r for r in records if _searched(r)]
+        explored = sum(r.source == "explore" for r in searched)
+        due = round(self._explore_share * (len(searched) + count)) - explored
+        rng = np.random.default_rng([self._seed, round_index])
+        explore = rng.choice(len(candidates), size=min(max(due, 0), count, len(candidates)),
+                             replace=False)
+        picks = [(candidates[i], "explore", float(scores[i]), features[i]) for i in explore]
+        count -= len(picks)
+        keep = np.setdiff1d(np.arange(len(candidates)), explore)
         measured = [r for r in records if r.result.ok]
         if len(measured) >= MIN_TRIALS_FOR_FIDELITY:
             # Judged on scores given before each trial was measured: scores after
@@ -209,20 +236,22 @@ class StrategySearch:
             level = fidelity_threshold([r.predicted for r in recent],
                                        [r.result.seconds_per_step for r in recent],
                                        FIDELITY_ACCURACY)
-            trusted = np.flatnonzero(scores <= level)
+            trusted = keep[scores[keep] <= level]
             # Where the simulator is trusted nowhere, its best guesses still beat chance.
-            keep = trusted if trusted.size >= count else np.argsort(scores)[:max(count, 1)]
+            keep = (trusted if trusted.size >= count
+                    else keep[np.argsort(scores[keep], kind="stable")[:max(count, 1)]])
+        if not count or not keep.size:
+            return picks
         signatures = np.stack([_signature(features[i]) for i in keep])
         closest = np.ones(len(keep))  # distance to the nearest strategy picked or tried
-        for entry in records:
-            closest = np.minimum(closest, _distances(signatures, _signature(entry.features)))
+        for other in [entry.features for entry in records] + [p[3] for p in picks]:
+            closest = np.minimum(closest, _distances(signatures, _signature(other)))
         rank = np.empty(len(keep))
         rank[np.argsort(scores[keep], kind="stable")] = np.arange(len(keep)) / len(keep)
-        picks = []
         for _ in range(min(count, len(keep))):
             best = int(np.argmax(-rank + DIVERSITY_WEIGHT * closest))
             chosen = keep[best]
-            picks.append((candidates[chosen], float(scores[chosen]), features[chosen]))
+            picks.append((candidates[chosen], "search", float(scores[chosen]), features[chosen]))
             closest = np.minimum(closest, _distances(signatures, signatures[best]))
             rank[best] = np.inf  # never twice
         return picks
@@ -244,6 +273,11 @@ def _update(result: SearchResult, entry: TrialRecord) -> None:
     if entry.source.startswith("builder:") and (result.baseline_seconds is None
                                                 or seconds < result.baseline_seconds):
         result.baseline_seconds = seconds
+
+
+def _searched(entry: TrialRecord) -> bool:
+    """Whether the search picked the trial (at random or by score), not a builder opening it."""
+    return not entry.source.startswith("builder:")
 
 
 def prior_seconds(features: np.ndarray) -> float:
@@ -281,10 +315,9 @@ def plot(path: str, result: SearchResult) -> Optional[str]:
     for entry in result.trials:
         if entry.result.ok:
             best_so_far = min(best_so_far, entry.result.seconds_per_step)
-        if entry.source == "search":
+        if _searched(entry):
             searched += 1
-            hit += bool(entry.result.ok and result.baseline_seconds is not None
-                        and entry.result.seconds_per_step < result.baseline_seconds)
+            hit += result.is_hit(entry)
         index.append(entry.index)
         best.append(1e3 * best_so_far if math.isfinite(best_so_far) else np.nan)
         hits.append(hit / searched if searched and result.baseline_seconds else np.nan)
