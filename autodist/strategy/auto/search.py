@@ -218,7 +218,7 @@ class StrategySearch:
             return []
         features = [self.features(c) for c in candidates]
         scores = self.simulator.score(features)
-        # Random picks keep up with their share of the search's trials so far, this round's included.
+        # Random picks keep to their share of the search's trials, this round's included.
         searched = [r for r in records if _searched(r)]
         explored = sum(r.source == "explore" for r in searched)
         due = round(self._explore_share * (len(searched) + count)) - explored
