@@ -151,6 +151,7 @@ class AutoDist:
             monitor = None
         node_config = runtime.session_config(self._config(config))
         server = runtime.start_tf_server(spec, role, node_config)
+        runtime.wait_until_tf_servers_listen(spec, JOIN_TIMEOUT_S, check=monitor)
         ctx = self._kernel_context(compiled, runtime.tf_devices(spec))
         session = DistributedSession(transform(item, compiled, ctx), config=node_config,
                                      target=server.target, monitor=monitor,

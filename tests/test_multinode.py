@@ -46,9 +46,9 @@ def _cluster(tmp_path_factory, name, cpus):
         yield cluster, str(spec)
 
 
-def _run_job(cluster, spec, builder, out, *extra, timeout=150):
+def _run_job(cluster, spec, builder, out, *extra, timeout=150, env=None):
     chief = cluster.hosts[0].launch_prefix
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), **(env or {}))
     return subprocess.run([*chief, sys.executable, JOB, spec, builder, str(out),
                            "--steps", str(STEPS), *extra],
                           capture_output=True, text=True, timeout=timeout, env=env)
@@ -80,6 +80,28 @@ def test_cluster_training_equals_single_device(request, tmp_path, cluster_name, 
     for node in range(len(cluster.hosts)):
         assert f"node {node} step {STEPS - 1} loss" in done.stdout
     _assert_no_job_left()
+
+
+@pytest.mark.timeout(240)
+def test_no_node_reaches_a_tensorflow_server_before_it_listens(three_nodes, tmp_path):
+    """Every gRPC channel between the nodes' TF servers connects at its first attempt.
+
+    A channel once refused (its server not started yet) retries only after a
+    back-off, and a step's call over it fails at once meanwhile: a node whose
+    server started last, and which stepped at once, failed now and then.
+    gRPC's subchannel trace shows every connection attempt.
+    """
+    from autodist.cluster.runtime import tf_port
+    cluster, spec = three_nodes
+    done = _run_job(cluster, spec, "PartitionedPS", tmp_path / "v.npz",
+                    env={"GRPC_VERBOSITY": "INFO", "GRPC_TRACE": "subchannel"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    tf_channels = [line for line in done.stderr.splitlines()
+                   if "subchannel" in line and f":{tf_port()}" in line]
+    connected = [line for line in tf_channels if "new connected subchannel" in line]
+    assert len(connected) >= 6, "no trace of the channels: did gRPC's trace flags change?"
+    refused = [line[:300] for line in tf_channels if "connect failed" in line]
+    assert not refused, refused
 
 
 @pytest.mark.timeout(420)

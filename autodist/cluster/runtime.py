@@ -118,15 +118,47 @@ def wait_until_tf_ports_free(spec: ResourceSpec, timeout: float) -> bool:
     """
     if len(spec.nodes) < 2:
         return True  # a one-node job starts no TensorFlow server
+    return not _poll_tf_ports(spec, listening=False, timeout=timeout)
+
+
+def wait_until_tf_servers_listen(spec: ResourceSpec, timeout: float,
+                                 check: Optional[Callable[[], None]] = None) -> None:
+    """Returns once every node's TensorFlow server accepts connections.
+
+    A session's gRPC channels reach every node at once. A channel refused by a
+    server not yet started retries only after a back-off of up to a second, and a
+    step's call over it fails at once meanwhile, so a node that started late and
+    stepped at once would fail ("Connection refused"). No node opens its session
+    before every server listens.
+
+    Args:
+        check: called between polls; raises to stop waiting (a worker that died).
+
+    Raises:
+        RuntimeError: naming the nodes whose servers did not listen within ``timeout``.
+    """
+    silent = _poll_tf_ports(spec, listening=True, timeout=timeout, check=check)
+    if silent:
+        raise RuntimeError(f"The TensorFlow servers of nodes {silent} did not accept "
+                           f"connections on port {tf_port()} within {timeout:.0f} s.")
+
+
+def _poll_tf_ports(spec: ResourceSpec, listening: bool, timeout: float,
+                   check: Optional[Callable[[], None]] = None) -> list:
+    """Polls every node's TensorFlow port until each listens (or none does).
+
+    Returns:
+        list: the nodes whose port was not yet so when ``timeout`` ran out.
+    """
     port, deadline = tf_port(), time.monotonic() + timeout
-    busy = list(spec.node_addresses)
+    pending = list(spec.node_addresses)
     while True:
-        busy = [a for a in busy if _accepts_connections(a, port)]
-        if not busy:
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.5)
+        pending = [a for a in pending if _accepts_connections(a, port) != listening]
+        if not pending or time.monotonic() >= deadline:
+            return pending
+        if check is not None:
+            check()
+        time.sleep(0.2)
 
 
 def _accepts_connections(address: str, port: int) -> bool:
