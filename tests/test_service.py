@@ -202,6 +202,17 @@ def test_worker_that_reported_done_may_go_silent(make_server, make_client):
     server.check_workers()
 
 
+def test_a_chief_ending_after_done_is_no_warning(make_server, make_client, caplog):
+    server = make_server(nodes=("w1",))
+    client = make_client(server.port, "w1")
+    client.start_heartbeat(interval=0.1)
+    client.report_ready()
+    client.report_done()
+    server.stop()  # the job is over: the chief goes away
+    time.sleep(0.5)
+    assert "Heartbeat" not in caplog.text
+
+
 def test_never_contacted_worker_is_not_a_lost_heartbeat(make_server):
     server = make_server(nodes=("w1",), heartbeat_timeout=0.2)
     time.sleep(0.5)

@@ -468,11 +468,13 @@ class StrategyClient:
         """Tells the chief this worker finished normally, so its silence is not a failure.
 
         Does not wait for an unreachable chief: at the end of a job it has often
-        ended already.
+        ended already. Stops the heartbeat first: the chief going silent from now
+        on is the normal end, not a failure to warn about.
 
         Raises:
             ServiceError: if the chief is unreachable or refuses the call.
         """
+        self._end_heartbeat()
         self._report(_Status.DONE, wait_for_ready=False)
 
     def start_heartbeat(self, interval: float = 2.0,
@@ -530,11 +532,14 @@ class StrategyClient:
 
     def close(self) -> None:
         """Stops the heartbeat and closes the channel. Idempotent."""
+        self._end_heartbeat()
+        self._channel.close()
+
+    def _end_heartbeat(self) -> None:
         self._stop_heartbeat.set()
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=5.0)
             self._heartbeat = None
-        self._channel.close()
 
     def __enter__(self) -> "StrategyClient":
         return self
