@@ -161,10 +161,28 @@ def partitionable(optimizer_fn: OptimizerFn, seed: int = 0) -> Model:
     return Model(feeds, loss, _minimize(optimizer_fn, loss), [odd, wide, table, proj, bias])
 
 
+def two_dtypes(optimizer_fn: OptimizerFn, seed: int = 0) -> Model:
+    """A float64 layer between float32 ones: all-reduce groups holding two dtypes."""
+    tf1.set_random_seed(seed)
+    rng = np.random.RandomState(seed)
+    x = tf1.placeholder(tf.float32, [None, 5], name="x")
+    y = tf1.placeholder(tf.float32, [None, 3], name="y")
+    w1 = _get_variable("w1", [5, 4], seed + 1)
+    w2 = tf1.get_variable("w2", [4, 4], tf.float64, use_resource=True,
+                          initializer=tf1.random_normal_initializer(stddev=0.5, seed=seed + 2))
+    w3 = _get_variable("w3", [4, 3], seed + 3)
+    hidden = tf.tanh(tf.matmul(tf.cast(tf.tanh(tf.matmul(x, w1)), tf.float64), w2))
+    loss = tf.reduce_mean(tf.square(tf.matmul(tf.cast(hidden, tf.float32), w3) - y))
+    feeds = {x: rng.randn(BATCH_SIZE, 5).astype(np.float32),
+             y: rng.randn(BATCH_SIZE, 3).astype(np.float32)}
+    return Model(feeds, loss, _minimize(optimizer_fn, loss), [w1, w2, w3])
+
+
 MODELS = {
     "dense": dense_mlp,
     "keras": keras_mlp,
     "embedding": embedding,
     "rnn": rnn,
     "partitionable": partitionable,
+    "two_dtypes": two_dtypes,
 }

@@ -41,3 +41,22 @@ def test_a_variable_without_synchronizer_is_named():
 def test_an_empty_strategy_is_refused():
     with pytest.raises(StrategyError, match="no replica devices"):
         compile_strategy(Strategy(), GRAPH, ONE_NODE)
+
+
+def test_a_group_mixing_compressors_is_refused_naming_them():
+    strategy = AllReduce(chunk_size=2).build(GRAPH, ONE_NODE)  # dense/bias, out/kernel: group 1
+    nodes = strategy.node_config_by_name()
+    assert {nodes[name].AllReduceSynchronizer.group for name in ("dense/bias", "out/kernel")} == {1}
+    bias = nodes["dense/bias"].AllReduceSynchronizer
+    bias.compressor = bias.HorovodCompressor
+    with pytest.raises(StrategyError, match=r"group 1 mixes compressors \('out/kernel' "
+                                            r"NoneCompressor, 'dense/bias' HorovodCompressor\)"):
+        compile_strategy(strategy, GRAPH, ONE_NODE)
+
+
+def test_sparse_gradients_in_a_compressed_group_are_allowed():
+    """Sparse gradients are gathered uncompressed whatever their group's compressor."""
+    strategy = AllReduce(chunk_size=2, compressor="HorovodCompressor").build(GRAPH, ONE_NODE)
+    emb = strategy.node_config_by_name()["emb"].AllReduceSynchronizer
+    emb.compressor = emb.NoneCompressor  # emb and dense/kernel share group 0
+    compile_strategy(strategy, GRAPH, ONE_NODE)

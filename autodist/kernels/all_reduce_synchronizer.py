@@ -1,7 +1,8 @@
 """AllReduce synchronizer: every node keeps a copy; gradients meet in collectives.
 
 Dense gradients of the parts sharing a group are flattened into one buffer per
-replica and reduced by a single TensorFlow collective (mean), then split back.
+replica and reduced by a single TensorFlow collective (mean), then split back;
+a group mixing dtypes (a mixed-precision model) has one buffer per dtype.
 Sparse gradients are all-gathered (values and indices), which keeps them sparse.
 Collective keys are derived from the strategy alone, so every node of a cluster
 computes the same ones.
@@ -72,9 +73,11 @@ def all_reduce_group(members: list, sync, keys: CollectiveKeys, ctx: KernelConte
     group_size = ctx.total_replicas
     means = [None] * len(members)
     others = []
-    dense = [i for i, (_, grads) in enumerate(members)
-             if not isinstance(grads[0], tf.IndexedSlices)]
-    if dense:
+    by_dtype = {}  # one buffer, so one collective, per dtype; in the members' order
+    for i, (_, grads) in enumerate(members):
+        if not isinstance(grads[0], tf.IndexedSlices):
+            by_dtype.setdefault(grads[0].dtype, []).append(i)
+    for dense in by_dtype.values():
         key = keys.take()
         for replica in range(ctx.num_replicas):
             with tf.device(ctx.replica_tf_device(replica)):
@@ -87,7 +90,7 @@ def all_reduce_group(members: list, sync, keys: CollectiveKeys, ctx: KernelConte
                 else:
                     others.append(summed.op)
     for i, (_, grads) in enumerate(members):
-        if i in dense:
+        if not isinstance(grads[0], tf.IndexedSlices):
             continue
         sparse_keys = (keys.take(), keys.take(), keys.take())
         for replica in range(ctx.num_replicas):

@@ -10,7 +10,8 @@ The prediction is a linear combination of a few named components, each a
   fp16 compressors put floating gradients on the wire as 2-byte values.
 * ``all_gather`` (seconds at nominal bandwidth): a sparse AllReduce part is
   all-gathered, ``(n - 1) * sparse bytes per replica / bandwidth``.
-* ``collective_latency`` (collectives launched per step): one per dense group,
+* ``collective_latency`` (collectives launched per step): one per dense group
+  (the kernel launches one per dtype of a group; the sampler's groups hold one),
   three per sparse AllReduce part (the kernel gathers counts, values, indices).
 * ``ps_transfer`` (seconds at nominal bandwidth): PS gradients pushed and
   values pulled, accumulated per resource: each node's NIC inbound, its NIC

@@ -14,6 +14,7 @@ from autodist.proto import synchronizers_pb2
 from autodist.resource_spec import ResourceSpec
 from autodist.strategy.base import Strategy, StrategyError
 
+_COMPRESSOR_NAMES = synchronizers_pb2.AllReduceSynchronizer.Compressor.Name
 Synchronizer = Union[synchronizers_pb2.PSSynchronizer, synchronizers_pb2.AllReduceSynchronizer]
 
 
@@ -84,7 +85,31 @@ def compile_strategy(strategy: Strategy, graph_item: GraphItem,
     compiled = {}
     for info in graph_item.trainable_variables:
         compiled[info.name] = _compile_variable(configs[info.name], info, devices, strategy.id)
+    _check_group_compressors(compiled, strategy.id)
     return CompiledStrategy(strategy=strategy, variables=compiled)
+
+
+def _check_group_compressors(compiled: dict, strategy_id: str) -> None:
+    """A group's dense gradients share one buffer, so its parts must agree on the compressor.
+
+    Sparse gradients are gathered one by one, uncompressed, whatever their group.
+    """
+    compressors = {}  # group -> {compressor -> a part name}
+    for variable in compiled.values():
+        if not variable.info.has_grad or variable.info.sparse_grad:
+            continue
+        for part in variable.parts:
+            if not part.is_ps:
+                sync = part.synchronizer
+                compressors.setdefault(sync.group, {}).setdefault(sync.compressor, part.name)
+    for group, names in sorted(compressors.items()):
+        if len(names) > 1:
+            found = ", ".join(f"'{name}' {_COMPRESSOR_NAMES(value)}"
+                              for value, name in sorted(names.items()))
+            raise StrategyError(
+                f"Strategy {strategy_id}: all-reduce group {group} mixes compressors ({found}); "
+                "a group's gradients share one buffer, so give them one compressor or "
+                "separate groups.")
 
 
 def _compile_variable(node, info: VariableInfo, devices: set, strategy_id: str):
