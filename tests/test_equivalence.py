@@ -236,6 +236,16 @@ def test_fp16_compressors_stay_close_to_single_device(spec_path, compressor, mod
     assert all(n.AllReduceSynchronizer.compressor != 0 for n in strategy.node_config)
 
 
+def test_a_sparse_part_does_not_lend_its_compressor_to_the_dense_ones(spec_path):
+    """The embedding (sparse, gathered as is) leads a group whose dense part is uncompressed."""
+    strategy = Strategy()
+    strategy.proto.graph_config.replicas.extend(["localhost:CPU:0", "localhost:CPU:1"])
+    strategy.node_config.extend([
+        common.ar_node_config("embedding", group=0, compressor="HorovodCompressor"),
+        common.ar_node_config("w", group=0)])
+    assert_equivalent(spec_path, strategy, "embedding", "adam")
+
+
 # ----------------------------------------------------------------------------- fetches, staleness
 
 @pytest.mark.parametrize("builder", ["PS", "AllReduce", "PartitionedAR"])

@@ -59,12 +59,13 @@ class CollectiveKeys:
         return key
 
 
-def all_reduce_group(members: list, sync, keys: CollectiveKeys, ctx: KernelContext) -> tuple:
+def all_reduce_group(members: list, keys: CollectiveKeys, ctx: KernelContext) -> tuple:
     """Reduces the gradients of one group across all replicas.
 
     Args:
-        members: list of (part name, [grad per local replica]) in a fixed order.
-        sync: the group's AllReduceSynchronizer (its compressor applies to all).
+        members: list of (part name, its AllReduceSynchronizer, [grad per local
+            replica]) in a fixed order; the compiler has checked that the dense
+            ones agree on the compressor.
 
     Returns:
         (list parallel to ``members`` of the mean gradient, taken from this
@@ -74,22 +75,23 @@ def all_reduce_group(members: list, sync, keys: CollectiveKeys, ctx: KernelConte
     means = [None] * len(members)
     others = []
     by_dtype = {}  # one buffer, so one collective, per dtype; in the members' order
-    for i, (_, grads) in enumerate(members):
+    for i, (_, _, grads) in enumerate(members):
         if not isinstance(grads[0], tf.IndexedSlices):
             by_dtype.setdefault(grads[0].dtype, []).append(i)
     for dense in by_dtype.values():
         key = keys.take()
+        name, sync, _ = members[dense[0]]
         for replica in range(ctx.num_replicas):
             with tf.device(ctx.replica_tf_device(replica)):
-                grads = [members[i][1][replica] for i in dense]
-                scope = f"{replica_scope(replica)}/{members[dense[0]][0]}"
+                grads = [members[i][2][replica] for i in dense]
+                scope = f"{replica_scope(replica)}/{name}"
                 summed, unpack = _reduce_dense(grads, sync, group_size, key, scope)
                 if replica == 0:
                     for i, grad in zip(dense, unpack(summed)):
                         means[i] = grad
                 else:
                     others.append(summed.op)
-    for i, (_, grads) in enumerate(members):
+    for i, (_, _, grads) in enumerate(members):
         if not isinstance(grads[0], tf.IndexedSlices):
             continue
         sparse_keys = (keys.take(), keys.take(), keys.take())

@@ -187,7 +187,8 @@ def _stitched_handle(variable: CompiledVariable, parts: list, replica: int,
     """
     with tf.device(ctx.replica_tf_device(replica)):
         stitched = tf.Variable(tf.zeros(variable.info.shape, variable.info.dtype),
-                               trainable=False, collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES],
+                               trainable=False,
+                               collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES],
                                name=f"{replica_scope(replica)}/{variable.info.name}/stitched")
         refresh = stitched.assign(partitioner.stitch(
             [p.readers[replica].read_value() for p in parts], variable.plan))
@@ -249,8 +250,8 @@ def _synchronize(result: DistributedGraph) -> _Synchronized:
     keys = CollectiveKeys()
     for group in sorted(groups):
         members = groups[group]
-        means, others = all_reduce_group([(p.part.name, g) for p, g in members],
-                                         members[0][0].part.synchronizer, keys, ctx)
+        means, others = all_reduce_group(
+            [(p.part.name, p.part.synchronizer, g) for p, g in members], keys, ctx)
         out.ar_updates.extend((mean, p.copies[0]) for (p, _), mean in zip(members, means))
         out.collectives.extend(others)
     return out
