@@ -18,6 +18,8 @@ A, B = "10.0.0.1", "10.0.0.2"
 MB4 = 4_000_000  # bytes of a (1_000_000,) float32 variable
 LATENCY = CostWeights().collective_latency
 OVERHEAD = CostWeights().ps_part_overhead
+SERVING = CostWeights().ps_serving_nodes
+SPLIT = CostWeights().split_step
 MODEL = CostModel()
 
 
@@ -121,8 +123,8 @@ def test_ps_with_three_remote_replicas_loads_the_server_nic_three_times_per_phas
     node = common.ps_node_config("v", f"{A}:CPU:0")
     result = breakdown(strategy_of(ONE_PLUS_THREE, node), [vec("v")], ONE_PLUS_THREE)
     # Three pushes into A (0.096 s), then three pulls out of A (0.096 s): the phases add.
-    assert result.total == pytest.approx(2 * seconds(3 * MB4, 1) + OVERHEAD)
-    assert result.total == pytest.approx(0.192 + OVERHEAD)
+    assert result.total == pytest.approx(2 * seconds(3 * MB4, 1) + OVERHEAD + SERVING)
+    assert result.total == pytest.approx(0.192 + OVERHEAD + SERVING)
 
 
 def test_a_local_proxy_pulls_once_per_node_and_staleness_divides_the_pulls():
@@ -145,11 +147,11 @@ def test_a_proxy_pulls_once_per_node_a_transfer_destination_pushes_once():
     proxy = common.ps_node_config("v", f"{A}:CPU:0", local_replication=True)
     # Three pushes (0.096 s), one pull for B's three replicas (0.032 s).
     assert predict(strategy_of(ONE_PLUS_THREE, proxy), v, ONE_PLUS_THREE) == pytest.approx(
-        0.096 + 0.032 + OVERHEAD)
+        0.096 + 0.032 + OVERHEAD + SERVING)
     summed = common.ps_node_config("v", f"{A}:CPU:0", local_replication=True)
     summed.PSSynchronizer.transfer_destination = f"{B}:CPU:0"
     assert predict(strategy_of(ONE_PLUS_THREE, summed), v, ONE_PLUS_THREE) == pytest.approx(
-        0.032 + 0.032 + OVERHEAD)
+        0.032 + 0.032 + OVERHEAD + SERVING)
 
 
 def test_the_busiest_nic_of_each_phase_binds():
@@ -181,10 +183,11 @@ def test_sparse_ps_moves_touched_rows_but_a_proxy_copies_the_whole_part():
     rows = predict(strategy_of(ONE_PLUS_THREE, common.ps_node_config("emb", dest)),
                    emb, ONE_PLUS_THREE, batch_size=10)
     touched = 3 * 10 * 256  # three replicas' 10 rows of 64 floats
-    assert rows == pytest.approx(2 * seconds(touched, 1) + OVERHEAD)
+    assert rows == pytest.approx(2 * seconds(touched, 1) + OVERHEAD + SERVING)
     proxy = predict(strategy_of(ONE_PLUS_THREE, common.ps_node_config("emb", dest, True)),
                     emb, ONE_PLUS_THREE, batch_size=10)
-    assert proxy == pytest.approx(seconds(touched, 1) + seconds(1000 * 256, 1) + OVERHEAD)
+    assert proxy == pytest.approx(seconds(touched, 1) + seconds(1000 * 256, 1) + OVERHEAD
+                                  + SERVING)
 
 
 def test_a_partitioned_sparse_variable_is_pulled_whole():
@@ -195,7 +198,7 @@ def test_a_partitioned_sparse_variable_is_pulled_whole():
     split = predict(strategy_of(ONE_PLUS_THREE, common.partitioned_node_config("emb", 0, 2, parts)),
                     emb, ONE_PLUS_THREE, batch_size=10)
     assert split == pytest.approx(seconds(3 * 10 * 256, 1) + seconds(3 * 1000 * 256, 1)
-                                  + 2 * OVERHEAD)
+                                  + 2 * OVERHEAD + SERVING)
 
 
 def test_many_parts_on_one_server_cost_their_overhead_not_more_bytes():
@@ -215,9 +218,50 @@ def test_mixing_ps_and_all_reduce_on_several_nodes_sums_and_proxies_per_node():
                       variables, ONE_PLUS_THREE)
     mixed = breakdown(strategy_of(ONE_PLUS_THREE, common.ps_node_config("v", f"{A}:CPU:0"),
                                   common.ar_node_config("w", 0)), variables, ONE_PLUS_THREE)
-    assert ps_only == pytest.approx(2 * seconds(3 * (MB4 + 40), 1) + 2 * OVERHEAD)
+    assert ps_only == pytest.approx(2 * seconds(3 * (MB4 + 40), 1) + 2 * OVERHEAD + SERVING)
     # B sums its replicas' gradients and its proxy pulls once: one push, then one pull.
     assert mixed.totals["ps_transfer"] == pytest.approx(2 * seconds(MB4, 1))
+    assert mixed.totals["split_step"] == pytest.approx(SPLIT)
+
+
+def test_each_node_serving_ps_parts_costs_once_per_step_shared_by_its_parts():
+    variables = [vec("v"), vec("w"), vec("x"), vec("frozen", has_grad=False)]
+
+    def serving(resource_spec, *servers):
+        configs = [common.ps_node_config(var.name, f"{server}:CPU:0")
+                   for var, server in zip(variables, servers)]
+        return breakdown(strategy_of(resource_spec, *configs), variables, resource_spec)
+
+    one = serving(TWO_BY_TWO, A, A, A, B)  # B holds only a variable without a gradient
+    assert one.features["ps_serving_nodes"] == 1
+    assert one.totals["ps_serving_nodes"] == pytest.approx(SERVING)
+    shares = {r.variable: r.seconds for r in one.rows if r.component == "ps_serving_nodes"}
+    assert shares == pytest.approx({"v": SERVING / 3, "w": SERVING / 3, "x": SERVING / 3})
+    two = serving(TWO_BY_TWO, A, B, B, A)
+    assert two.features["ps_serving_nodes"] == 2
+    shares = {r.variable: r.seconds for r in two.rows if r.component == "ps_serving_nodes"}
+    assert shares == pytest.approx({"v": SERVING, "w": SERVING / 2, "x": SERVING / 2})
+    # One node: no call leaves it, so serving costs nothing extra.
+    alone = spec((A, 2, None))
+    assert serving(alone, A, A, A, A).features["ps_serving_nodes"] == 0
+
+
+def test_a_split_step_costs_once_when_a_cluster_mixes_ps_and_all_reduce():
+    variables = [vec("v"), vec("w"), vec("frozen", has_grad=False)]
+
+    def split(resource_spec, *synchronizers):
+        configs = [common.ps_node_config(var.name, f"{A}:CPU:0") if kind == "ps"
+                   else common.ar_node_config(var.name, 0)
+                   for var, kind in zip(variables, synchronizers)]
+        return breakdown(strategy_of(resource_spec, *configs), variables, resource_spec)
+
+    mixed = split(TWO_BY_TWO, "ps", "ar", "ps")
+    assert mixed.features["split_step"] == 1
+    shares = {r.variable: r.seconds for r in mixed.rows if r.component == "split_step"}
+    assert shares == pytest.approx({"v": SPLIT / 2, "w": SPLIT / 2})  # parts with a gradient
+    assert split(TWO_BY_TWO, "ps", "ps", "ar").features["split_step"] == 0
+    assert split(TWO_BY_TWO, "ar", "ar", "ps").features["split_step"] == 0  # PS reads only
+    assert split(spec((A, 2, None)), "ps", "ar", "ps").features["split_step"] == 0  # one run
 
 
 # ----------------------------------------------------------------------------- explanation

@@ -21,6 +21,12 @@ The prediction is a linear combination of a few named components, each a
   binds and the two add up.
 * ``ps_part_overhead`` (PS parts with a gradient): fixed per-part work every
   step (send, accumulate, apply, read), so that many tiny parts cost something.
+* ``ps_serving_nodes`` (nodes serving PS parts with a gradient, on a cluster):
+  each such node adds a chain of dependent calls to every step (gradients in,
+  the chief's take and apply, the token, values out) that no transfer time covers.
+* ``split_step`` (1 when a cluster's step mixes PS and AllReduce gradients): the
+  step runs twice, its PS traffic waits for the collectives, and every node
+  waits for the slowest at the barrier in between.
 
 The bytes behind the components, and the rules by which PS traffic loads each
 resource, are in ``traffic.py``. Compute time is left out: it hardly depends on
@@ -37,7 +43,7 @@ from autodist.simulator.traffic import (DIRECTIONS, PHASES, ClusterView, SyncPar
                                         cluster_view, ps_flows, ps_loads, seconds, sync_parts)
 
 COMPONENTS = ("ring_all_reduce", "all_gather", "collective_latency", "ps_transfer",
-              "ps_part_overhead")
+              "ps_part_overhead", "ps_serving_nodes", "split_step")
 """Names of the cost components, in report order."""
 
 _GATHERS_PER_SPARSE_PART = 3  # the kernel gathers row counts, values and indices
@@ -58,6 +64,11 @@ class CostWeights:
         ps_transfer: multiplier of the busiest PS resource's transfer time.
         ps_part_overhead: seconds per PS part and step: a handful of send,
             accumulate and apply ops, each some tens of microseconds.
+        ps_serving_nodes: seconds per serving node and step, and
+        split_step: seconds per split step; both as measured on the emulated
+            clusters of ``benchmarks/auto_vs_builders.py`` (four nodes sharing
+            two cores, where a barrier also makes every node compute at once).
+            The learned simulator corrects them for the cluster at hand.
     """
 
     ring_all_reduce: float = 1.0
@@ -65,6 +76,8 @@ class CostWeights:
     collective_latency: float = 2e-4
     ps_transfer: float = 1.0
     ps_part_overhead: float = 1e-4
+    ps_serving_nodes: float = 0.04
+    split_step: float = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,14 +210,16 @@ class CostModel:
         cluster = cluster_view(proto_strategy.replicas, resource_spec, self.local_bandwidth_gbps)
         all_reduced = np.flatnonzero(~parts.is_ps & parts.has_grad)
         ps = np.flatnonzero(parts.is_ps)
+        multi_node = len(cluster.replicas_per_node) > 1
         # A multi-node step mixing PS and AllReduce gradients is split in two runs (README).
-        split_step = (len(cluster.replicas_per_node) > 1 and all_reduced.size > 0
-                      and bool(parts.has_grad[ps].any()))
+        split_step = multi_node and all_reduced.size > 0 and bool(parts.has_grad[ps].any())
         ar_features, ar_charges = _all_reduce_charges(parts, all_reduced, cluster)
         ps_features, ps_charges, binding = _ps_charges(parts, ps, cluster, split_step)
-        features = {**dict.fromkeys(COMPONENTS, 0.0), **ar_features, **ps_features}
+        step_features, step_charges = _step_charges(parts, ps, multi_node, split_step)
+        features = {**dict.fromkeys(COMPONENTS, 0.0), **ar_features, **ps_features,
+                    **step_features}
         part, component, value = (np.concatenate(column)
-                                  for column in zip(*ar_charges, ps_charges))
+                                  for column in zip(*ar_charges, ps_charges, *step_charges))
         return Charges(parts, cluster, features, part, component, value, binding)
 
 
@@ -213,7 +228,8 @@ class Charges(NamedTuple):
 
     The charges are columns, one entry per charge, in a fixed order, so that
     sums over them round alike every time: all-gathered parts, then all-reduce
-    groups in launch order, then PS parts.
+    groups in launch order, then PS parts, then the serving nodes' and the
+    split step's shares.
 
     Attributes:
         parts: the synchronized parts.
@@ -319,3 +335,28 @@ def _ps_charges(parts: SyncParts, index: np.ndarray, cluster: ClusterView, split
     charged = _interleave(index, ("ps_part_overhead", 1.0, has_grad),
                           ("ps_transfer", share, share != 0))
     return features, charged, ", ".join(bindings) or None
+
+
+def _step_charges(parts: SyncParts, ps: np.ndarray, multi_node: bool, split_step: bool
+                  ) -> Tuple[Dict[str, float], List[_Charged]]:
+    """The serving-node and split-step features, each shared evenly by the parts behind it.
+
+    A serving node's count is shared by its PS parts with a gradient, the
+    split step's by every part with a gradient.
+
+    Returns:
+        tuple: (component -> feature, the charges).
+    """
+    if not multi_node:
+        return {}, []
+    served = ps[parts.has_grad[ps]]
+    per_server = np.bincount(parts.server[served], minlength=len(parts.servers))
+    features = {"ps_serving_nodes": float(np.count_nonzero(per_server))}
+    charges = [_interleave(served, ("ps_serving_nodes", 1.0 / per_server[parts.server[served]],
+                                    True))]
+    if split_step:
+        synchronized = np.flatnonzero(parts.has_grad)
+        features["split_step"] = 1.0
+        charges.append(_interleave(synchronized,
+                                   ("split_step", 1.0 / len(synchronized), True)))
+    return features, charges
