@@ -22,8 +22,8 @@ The prediction is a linear combination of a few named components, each a
 * ``ps_part_overhead`` (PS parts with a gradient): fixed per-part work every
   step (send, accumulate, apply, read), so that many tiny parts cost something.
 * ``ps_serving_nodes`` (nodes serving PS parts with a gradient, on a cluster):
-  each such node adds a chain of dependent calls to every step (gradients in,
-  the chief's take and apply, the token, values out) that no transfer time covers.
+  as measured, each such node adds a fixed time to every step beyond its bytes
+  (``docs/benchmarks.md``; its cause is not pinned down).
 * ``split_step`` (1 when a cluster's step mixes PS and AllReduce gradients): the
   step runs twice, its PS traffic waits for the collectives, and every node
   waits for the slowest at the barrier in between.
