@@ -18,6 +18,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from autodist.strategy import PartitionedPS  # noqa: E402
+from autodist.strategy.base import StrategyBuilder  # noqa: E402
+
 ROWS_PER_REPLICA = 4
 tf1 = tf.compat.v1
 
@@ -62,6 +65,18 @@ def reference(num_replicas: int, steps: int) -> list:
             return sess.run(variables)
 
 
+class SummedPerNodePS(StrategyBuilder):
+    """PartitionedPS whose nodes sum their replicas' gradients before the push."""
+
+    def build(self, graph_item, resource_spec):
+        strategy = PartitionedPS(local_proxy_variable=True).build(graph_item, resource_spec)
+        for node in strategy.node_config:
+            for unit in node.part_config if node.partitioner else [node]:
+                sync = unit.PSSynchronizer
+                sync.transfer_destination = sync.reduction_destination
+        return strategy
+
+
 def main() -> None:
     from autodist import AutoDist
     from autodist.checkpoint import Saver
@@ -84,6 +99,8 @@ def main() -> None:
         builder = AutoStrategy(trials=4, candidates=100, per_round=2, warmup=1, steps=2,
                                log_dir=os.path.join(os.path.dirname(args.out), "search"),
                                progress=False)
+    elif args.builder == "SummedPerNodePS":
+        builder = SummedPerNodePS()
     else:
         builder = get_builder(args.builder)
     ad = AutoDist(args.spec, builder)

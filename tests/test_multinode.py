@@ -83,6 +83,16 @@ def test_cluster_training_equals_single_device(request, tmp_path, cluster_name, 
 
 
 @pytest.mark.timeout(240)
+def test_nodes_summing_their_replicas_first_train_like_one_device(three_nodes, tmp_path):
+    # Node 3 has two replicas: with a transfer_destination it pushes their sum.
+    cluster, spec = three_nodes
+    out = tmp_path / "variables.npz"
+    done = _run_job(cluster, spec, "SummedPerNodePS", out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    _assert_trained_like_one_device(cluster, out, STEPS)
+
+
+@pytest.mark.timeout(240)
 def test_no_node_reaches_a_tensorflow_server_before_it_listens(three_nodes, tmp_path):
     """Every gRPC channel between the nodes' TF servers connects at its first attempt.
 

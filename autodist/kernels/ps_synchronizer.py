@@ -86,12 +86,13 @@ def node_contribution(grads: list, sync, ctx: KernelContext):
     """This node's share of a part's gradient: its replicas' sum / all replicas.
 
     The shares of all nodes add up to the mean over every replica of the
-    cluster, whatever the number of replicas per node.
+    cluster, whatever the number of replicas per node. With a
+    ``transfer_destination``, or in a split step, the node sums its replicas'
+    gradients on its own CPU and pushes one tensor; otherwise the sum happens
+    on the destination, so every replica's gradient crosses the network.
     """
-    if sync.transfer_destination:
-        device = ctx.tf_device(sync.transfer_destination)
-    elif ctx.split_step:
-        device = ctx.shared_device  # the collective run stays on this node
+    if sync.transfer_destination or ctx.split_step:
+        device = ctx.shared_device
     else:
         device = ctx.tf_device(sync.reduction_destination)
     with tf.device(device):
