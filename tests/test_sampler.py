@@ -14,7 +14,8 @@ from autodist.strategy import common
 from autodist.strategy.all_reduce_builders import no_grad_node_config
 from autodist.strategy.auto import SamplerConstraints, StrategySampler, sample, sample_many
 from autodist.strategy.compiler import compile_strategy
-from test_builders import THREE_NODES
+from autodist.resource_spec import ResourceSpec
+from test_builders import ONE_NODE, THREE_NODES
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -164,6 +165,24 @@ def test_samples_spread_over_synchronizers_servers_and_groups(samples):
     assert {1, 2, 3} <= servers
     assert 1 in groups and max(groups) >= 8
     assert 20 < proxies < 200
+
+
+def test_nodes_sum_their_replicas_first_only_where_that_changes_something(samples):
+    # THREE_NODES has nodes of 2, 1 and 3 replicas: summing per node saves pushes.
+    with_sums = 0
+    for strategy in samples:
+        ps = [n.PSSynchronizer for v, _, _, n in units(strategy)
+              if v.has_grad and n.WhichOneof("synchronizer") == "PSSynchronizer"]
+        assert all(p.transfer_destination in ("", p.reduction_destination) for p in ps)
+        with_sums += any(p.transfer_destination for p in ps)
+    assert 20 < with_sums < 200
+    # One replica per node, or a single node: nothing to sum before the network.
+    single_replicas = ResourceSpec.from_dict({"nodes": [
+        {"address": "10.0.0.1", "cpus": [0], "chief": True}, {"address": "10.0.0.2", "cpus": [0]}]})
+    for spec in (single_replicas, ONE_NODE):
+        for strategy in StrategySampler(GRAPH, spec, CONSTRAINTS).sample_many(100, seed=5):
+            assert not any(n.PSSynchronizer.transfer_destination for _, _, _, n in units(strategy)
+                           if n.WhichOneof("synchronizer") == "PSSynchronizer")
 
 
 def test_lossy_choices_when_allowed():

@@ -113,7 +113,7 @@ def ps_device_names(resource_spec) -> List[str]:
 # --------------------------------------------------------------------------- node configs
 
 def ps_node_config(var_name: str, reduction_destination: str, local_replication: bool = False,
-                   sync: bool = True, staleness: int = 0) -> Node:
+                   sync: bool = True, staleness: int = 0, transfer_destination: str = "") -> Node:
     """Makes a node config synchronized by a parameter server.
 
     Returns:
@@ -125,6 +125,7 @@ def ps_node_config(var_name: str, reduction_destination: str, local_replication:
     ps.local_replication = local_replication
     ps.sync = sync
     ps.staleness = staleness
+    ps.transfer_destination = transfer_destination
     return node
 
 

@@ -2,12 +2,14 @@
 
 A sample is drawn in two levels. First a few strategy-wide knobs: the share of
 dense and of sparse-gradient variables sent to parameter servers, the share of
-optional partitions, the share of PS variables with a local proxy, which PS
-devices serve, how many AllReduce groups there are and, when allowed, the
-staleness bound and the share of fp16-compressed groups. Then every variable
-draws its own choices from those shares. Drawing the shares first spreads the
-samples from all-AllReduce to all-PS strategies instead of piling them up
-around an even mix, which independent per-variable coin flips would do.
+optional partitions, the share of PS variables with a local proxy, the share
+whose nodes sum their replicas' gradients before the push (on a cluster with a
+node of several replicas), which PS devices serve, how many AllReduce groups
+there are and, when allowed, the staleness bound and the share of
+fp16-compressed groups. Then every variable draws its own choices from those
+shares. Drawing the shares first spreads the samples from all-AllReduce to
+all-PS strategies instead of piling them up around an even mix, which
+independent per-variable coin flips would do.
 
 The structure is never random where a rule does better: PS variables and shards
 are placed with :func:`common.balanced_placement`, and AllReduce units are
@@ -16,6 +18,7 @@ carry balanced bytes.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import math
@@ -90,6 +93,7 @@ class _Plan(NamedTuple):
     sizes: List[int]
     is_ps: bool
     proxy: bool
+    aggregate: bool      # PS: each node sums its replicas' gradients before the push
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +104,7 @@ class _Knobs:
     sparse_ps_share: float
     partition_share: float
     proxy_share: float
+    aggregate_share: float
     fp16_share: float
     staleness: int
     servers: tuple
@@ -133,6 +138,10 @@ class StrategySampler:
         self._axes = {v.name: [a for a, d in enumerate(v.shape) if int(d) >= fewest]
                       for v in self._variables}
         self._pinned_bytes = sum(v.size_bytes for v in self._variables if not v.has_grad)
+        # Summing a node's replicas first only changes something on a cluster with
+        # a node of several replicas.
+        per_node = collections.Counter(d.host_address for d in resource_spec.replica_devices)
+        self._can_aggregate = len(per_node) > 1 and max(per_node.values()) > 1
         # An upper bound of the all-reduced units, the most groups that can be useful.
         self._most_units = sum(
             constraints.max_partitions if v.size_bytes > constraints.partition_threshold_bytes
@@ -141,7 +150,7 @@ class StrategySampler:
         # Node configs are copied from templates: protobuf field setters cost more
         # than one CopyFrom, and configs are built in place in the strategy, since
         # appending a finished message would copy it again.
-        self._ps_templates: Dict[Tuple[str, bool, int], Node] = {}
+        self._ps_templates: Dict[Tuple[str, bool, bool, int], Node] = {}
         self._no_grad_configs = {v.name: no_grad_node_config(v, self._ps_devices)
                                  for v in self._variables if not v.has_grad}
 
@@ -202,6 +211,7 @@ class StrategySampler:
             sparse_ps_share=rng.random() if c.sparse_all_reduce else 1.0,
             partition_share=rng.random(),
             proxy_share=rng.random(),
+            aggregate_share=rng.random() if self._can_aggregate else 0.0,
             fp16_share=rng.random() if c.allow_fp16 else 0.0,
             staleness=rng.randint(0, c.max_staleness) if c.max_staleness else 0,
             servers=servers,
@@ -223,14 +233,15 @@ class StrategySampler:
         share = knobs.sparse_ps_share if var.sparse_grad else knobs.dense_ps_share
         is_ps = rng.random() < share
         proxy = is_ps and rng.random() < knobs.proxy_share
+        aggregate = is_ps and rng.random() < knobs.aggregate_share
         if num_parts == 1:
-            return _Plan("", [var.name], [size], is_ps, proxy)
+            return _Plan("", [var.name], [size], is_ps, proxy, aggregate)
         key = (var.name, axis, num_parts)
         if key not in self._cuts:
             self._cuts[key] = (common.partitioner_string(num_parts, axis, len(var.shape)),
                                [common.part_name(var.name, i) for i in range(num_parts)],
                                common.part_sizes_bytes(var, axis, num_parts))
-        return _Plan(*self._cuts[key], is_ps, proxy)
+        return _Plan(*self._cuts[key], is_ps, proxy, aggregate)
 
     def _place_ps_units(self, plans, knobs: _Knobs) -> Dict[str, str]:
         items = [(name, size) for plan in plans if plan is not None and plan.is_ps
@@ -286,7 +297,8 @@ class StrategySampler:
         if plan.is_ps:
             for name in plan.names:
                 node = add()
-                node.CopyFrom(self._ps_template(placement[name], plan.proxy, knobs.staleness))
+                node.CopyFrom(self._ps_template(placement[name], plan.proxy, plan.aggregate,
+                                                knobs.staleness))
                 node.var_name = name
             return
         for name in plan.names:
@@ -296,11 +308,13 @@ class StrategySampler:
             node.var_name = name
             node.AllReduceSynchronizer.group = group
 
-    def _ps_template(self, device: str, proxy: bool, staleness: int) -> Node:
-        key = (device, proxy, staleness)
+    def _ps_template(self, device: str, proxy: bool, aggregate: bool, staleness: int) -> Node:
+        key = (device, proxy, aggregate, staleness)
         if key not in self._ps_templates:
+            # On a cluster any transfer_destination makes every node sum its own replicas.
             self._ps_templates[key] = common.ps_node_config(
-                "", device, proxy, sync=staleness == 0, staleness=staleness)
+                "", device, proxy, sync=staleness == 0, staleness=staleness,
+                transfer_destination=device if aggregate else "")
         return self._ps_templates[key]
 
 
