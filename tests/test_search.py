@@ -11,6 +11,7 @@ from autodist.resource_spec import ResourceSpec
 from autodist.simulator import CostModel
 from autodist.simulator.fidelity import kendall_tau
 from autodist.strategy import BUILDERS, AutoStrategy, Strategy
+from autodist.strategy.auto.builder import SearchSettings, search_strategy
 from autodist.strategy.auto.search import StrategySearch, prior_seconds
 from autodist.strategy.auto.trial import CapturedGraph, TrialResult
 from test_equivalence import assert_equivalent
@@ -102,6 +103,34 @@ def test_auto_strategy_rejects_bad_settings():
         AutoStrategy(trials=-1)
     with pytest.raises(ValueError, match="steps must be an integer >= 1, got 0"):
         AutoStrategy(steps=0)
+    with pytest.raises(ValueError, match="min_timed_seconds must be a number >= 0, got -1"):
+        AutoStrategy(min_timed_seconds=-1)
+
+
+class StepRecorder:
+    """Stands in for the script runner: notes the timed steps each trial asks for."""
+
+    def __init__(self, seconds_per_step: float):
+        self.seconds_per_step, self.steps = seconds_per_step, []
+
+    def trial(self, strategy, warmup: int, steps: int) -> TrialResult:
+        self.steps.append(steps)
+        return TrialResult(self.seconds_per_step)
+
+
+@pytest.mark.parametrize("min_timed_seconds, seconds_per_step, want", [
+    (2.0, 0.05, [4, 40, 40]),   # 4 steps of 50 ms are too short: later trials time 2 s
+    (2.0, 0.8, [4, 4, 4]),      # 4 steps of 0.8 s already last 2 s
+    (0.0, 0.05, [4, 4, 4]),     # off
+])
+def test_trials_time_enough_steps_at_the_fastest_measured_step(tmp_path, min_timed_seconds,
+                                                               seconds_per_step, want):
+    recorder = StepRecorder(seconds_per_step)
+    settings = SearchSettings(trials=3, candidates=20, per_round=1, with_builders=False,
+                              warmup=1, steps=4, log_dir=str(tmp_path), progress=False,
+                              min_timed_seconds=min_timed_seconds)
+    search_strategy(synthetic_graph(10), heterogeneous_cluster(), recorder, settings)
+    assert recorder.steps == want
 
 
 @pytest.mark.slow

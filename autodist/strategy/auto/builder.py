@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import sys
 from typing import Optional
@@ -49,6 +50,7 @@ class SearchSettings:
     log_dir: str = "autodist_search"
     seed: int = 0
     progress: bool = True
+    min_timed_seconds: float = 0.0
 
     def constraints(self) -> SamplerConstraints:
         return SamplerConstraints(allow_fp16=self.allow_lossy,
@@ -70,11 +72,15 @@ class AutoStrategy(StrategyBuilder):
             (within the budget); the result is then never slower than the best
             of them, as measured.
         warmup: a trial's steps before timing.
-        steps: a trial's timed steps.
+        steps: a trial's timed steps, at least; see ``min_timed_seconds``.
         trial_timeout: seconds a trial may take.
         log_dir: where the log, the best strategy, the plot and the simulator go.
         seed: seed of the sampler and the simulator.
         progress: show a progress bar.
+        min_timed_seconds: once a trial has been measured, later trials time
+            enough steps to last this long at the fastest step time measured so
+            far, since a few steps of a fast model are too short to rank by.
+            The script must then train that many steps; 0 times ``steps`` only.
 
     Note:
         The script must train at least ``warmup + steps`` steps, fetching the
@@ -85,16 +91,21 @@ class AutoStrategy(StrategyBuilder):
     def __init__(self, trials: int = 30, candidates: int = 2000, per_round: int = 4,
                  batch_size: int = 32, allow_lossy: bool = False, with_builders: bool = True,
                  warmup: int = 3, steps: int = 10, trial_timeout: float = 600.0,
-                 log_dir: str = "autodist_search", seed: int = 0, progress: bool = True):
+                 log_dir: str = "autodist_search", seed: int = 0, progress: bool = True,
+                 min_timed_seconds: float = 0.0):
         for name, value, least in (("trials", trials, 0), ("candidates", candidates, 1),
                                    ("per_round", per_round, 1), ("batch_size", batch_size, 1),
                                    ("warmup", warmup, 1), ("steps", steps, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"AutoStrategy: {name} must be an integer >= {least}, "
                                  f"got {value!r}.")
+        if (isinstance(min_timed_seconds, bool) or not isinstance(min_timed_seconds, (int, float))
+                or not 0 <= min_timed_seconds < math.inf):
+            raise ValueError("AutoStrategy: min_timed_seconds must be a number >= 0, got "
+                             f"{min_timed_seconds!r}.")
         self.settings = SearchSettings(trials, candidates, per_round, batch_size, allow_lossy,
                                        with_builders, warmup, steps, trial_timeout, log_dir,
-                                       seed, progress)
+                                       seed, progress, min_timed_seconds)
 
     def build(self, graph_item, resource_spec: ResourceSpec) -> Strategy:
         argv = [os.path.abspath(sys.argv[0]), *sys.argv[1:]]
@@ -137,8 +148,17 @@ def search_strategy(graph, resource_spec: ResourceSpec, runner: Optional[ScriptR
             if progress is not None:
                 progress.update(entry, so_far)
 
-        result = search.run(lambda s: runner.trial(s, settings.warmup, settings.steps),
-                            settings.trials, builders, on_trial)
+        measured = []  # step times of the trials that succeeded so far
+
+        def trial(strategy):
+            steps = timed_steps(settings.steps, settings.min_timed_seconds,
+                                min(measured, default=None))
+            outcome = runner.trial(strategy, settings.warmup, steps)
+            if outcome.ok:
+                measured.append(outcome.seconds_per_step)
+            return outcome
+
+        result = search.run(trial, settings.trials, builders, on_trial)
         plot(os.path.join(settings.log_dir, "search.png"), result)
     result.best.save(os.path.join(settings.log_dir, "best.strategy"))
     if search.simulator.trained:
@@ -146,6 +166,13 @@ def search_strategy(graph, resource_spec: ResourceSpec, runner: Optional[ScriptR
         with open(f"{simulator_path}.key", "w") as key_file:
             key_file.write(key)
     return result
+
+
+def timed_steps(steps: int, min_seconds: float, fastest: Optional[float]) -> int:
+    """Timed steps of a trial: ``steps``, or more to last ``min_seconds`` at ``fastest`` s/step."""
+    if not fastest:
+        return steps
+    return max(steps, math.ceil(min_seconds / fastest))
 
 
 class _Progress:

@@ -35,7 +35,7 @@ def _search(args: argparse.Namespace) -> int:
                               allow_lossy=args.allow_lossy, with_builders=not args.no_builders,
                               warmup=args.warmup, steps=args.steps,
                               trial_timeout=args.trial_timeout, log_dir=args.log_dir,
-                              seed=args.seed)
+                              seed=args.seed, min_timed_seconds=args.min_timed_seconds)
     result = search_strategy(captured, spec, runner, settings)
     path = result.best.save(args.out)
     print()
@@ -92,6 +92,9 @@ def add_search_subcommand(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--per-round", type=int, default=4, help="trials per round (default: 4)")
     parser.add_argument("--warmup", type=int, default=3, help="steps before timing (default: 3)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps (default: 10)")
+    parser.add_argument("--min-timed-seconds", type=float, default=0.0,
+                        help="time more steps, to last this long at the fastest step time so "
+                             "far; the script must train that many (default: 0, off)")
     parser.add_argument("--allow-lossy", action="store_true",
                         help="allow fp16 compression and bounded staleness")
     parser.add_argument("--no-builders", action="store_true",
