@@ -5,7 +5,7 @@ Settings (models in ``auto_models.py``):
 * ``embedding``: a 100k x 64 embedding plus dense layers, 4 nodes at 1 Gbit/s;
 * ``bert``: a small BERT-like encoder (about 200 variables), 4 nodes, two at
   2.5 Gbit/s and two at 500 Mbit/s;
-* ``mlp``: three 2048 x 2048 matrices, 3 nodes at 1 Gbit/s.
+* ``mlp``: three 2048 x 2048 matrices, 2 nodes with 2 CPU replicas each, at 1 Gbit/s.
 
 Per setting, inside the chief's namespace: the search (``autodist search``'s
 code, ``--trials`` trials, the builders opening it); then ``--held-out``
@@ -14,6 +14,10 @@ sampled strategies never tried, measured, to rate the simulators' ranking
 builder and AutoStrategy's result measured side by side, ``--repeats`` rounds,
 interleaved, median per strategy. One trial = a fresh run of the training
 script on every node, ``--warmup`` steps, then ``--steps`` timed ones.
+
+Each setting's result is kept in ``docs/auto_vs_builders.json``, and the docs
+section is rebuilt from all kept results, so rerunning one setting updates its
+table and leaves the others (each dated) as they were.
 
 Usage (root, iproute2):
     python benchmarks/auto_vs_builders.py                      # everything, writes docs
@@ -50,8 +54,10 @@ SETTINGS = {
     "bert": {"model": "bert", "rates": ["2.5gbit", "2.5gbit", "500mbit", "500mbit"], "batch": 4,
              "what": "small BERT-like encoder (~200 variables), 2 nodes at 2.5 Gbit/s "
                      "+ 2 at 500 Mbit/s"},
-    "mlp": {"model": "mlp", "rates": ["1gbit"] * 3, "batch": 16,
-            "what": "three 2048 x 2048 dense layers, 3 nodes at 1 Gbit/s"},
+    # Two replicas per node, as on multi-GPU hosts: a node can sum its replicas'
+    # gradients before they cross the network, which a ring over all replicas cannot.
+    "mlp": {"model": "mlp", "rates": ["1gbit"] * 2, "replicas": 2, "batch": 16,
+            "what": "three 2048 x 2048 dense layers, 2 nodes x 2 replicas at 1 Gbit/s"},
 }
 GOAL_SPEEDUP, GOAL_FLOOR = 1.2, 0.95
 
@@ -63,7 +69,7 @@ def run_setting(args) -> dict:
     from autodist.resource_spec import ResourceSpec
     from autodist.simulator.fidelity import kendall_tau
     from autodist.strategy import BUILDERS
-    from autodist.strategy.auto.builder import SearchSettings, search_strategy
+    from autodist.strategy.auto.builder import SearchSettings, search_strategy, timed_steps
     from autodist.strategy.auto.search import StrategySearch, prior_seconds
     from autodist.strategy.auto.trial import ScriptRunner
 
@@ -76,11 +82,14 @@ def run_setting(args) -> dict:
     spec = ResourceSpec(args.spec)
     settings = SearchSettings(trials=args.trials, batch_size=setting["batch"],
                               warmup=args.warmup, steps=args.steps,
-                              log_dir=os.path.join(args.workdir, "search"), seed=args.seed)
+                              log_dir=os.path.join(args.workdir, "search"), seed=args.seed,
+                              min_timed_seconds=args.min_timed_seconds)
     start = time.monotonic()
     result = search_strategy(captured, spec, runner, settings)
     search_seconds = time.monotonic() - start
     search_log = [t.to_json() for t in result.trials]
+    # Later runs time as many steps as the search's last trials did.
+    steps = timed_steps(args.steps, args.min_timed_seconds, result.best_seconds)
 
     # Held-out strategies: sampled, never tried; how well does each simulator rank them?
     held_out = []
@@ -90,7 +99,7 @@ def run_setting(args) -> dict:
         held_out = fresh.candidates(0, {t.strategy.id for t in result.trials})[:args.held_out]
     measured, features = [], []
     for strategy in held_out:
-        outcome = runner.trial(strategy, args.warmup, args.steps)
+        outcome = runner.trial(strategy, args.warmup, steps)
         if outcome.ok:
             measured.append(outcome.seconds_per_step)
             features.append(fresh.features(strategy))
@@ -106,13 +115,14 @@ def run_setting(args) -> dict:
     times = {name: [] for name in contenders}
     for _ in range(args.repeats):
         for name, strategy in contenders.items():
-            outcome = runner.trial(strategy, args.warmup, args.steps)
+            outcome = runner.trial(strategy, args.warmup, steps)
             if outcome.ok:
                 times[name].append(outcome.seconds_per_step)
-    return {"setting": args.setting, "search_seconds": search_seconds, "trials": search_log,
+    return {"setting": args.setting, "search_seconds": search_seconds,
+            "num_trials": len(search_log), "trials": search_log,
             "hit_rate": result.hit_rate,
             "medians": {n: statistics.median(t) if t else None for n, t in times.items()},
-            "times": times, "ranking": ranking, "best_source": next(
+            "times": times, "timed_steps": steps, "ranking": ranking, "best_source": next(
                 t.source for t in result.trials if t.strategy.id == result.best.id),
             "plot": os.path.join(args.workdir, "search", "search.png")}
 
@@ -128,19 +138,15 @@ def _speedup(result: dict) -> tuple:
     return best, builders[best] / auto if auto else 0.0
 
 
-def _section(results: list, args) -> str:
-    info = report.machine_info()
+def _section(results: list) -> str:
     ratios = [_speedup(r)[1] for r in results]
     wins = sum(ratio >= GOAL_SPEEDUP for ratio in ratios)
     floor_ok = all(ratio >= GOAL_FLOOR for ratio in ratios)
     verdict = "holds" if wins >= 2 and floor_ok else "does not hold"
-    runs = ("one run per strategy, strategies in turn" if args.repeats == 1
-            else f"median of {args.repeats} interleaved runs")
     lines = [BEGIN, "## AutoStrategy vs. the hand-written builders (`auto_vs_builders`)", "",
-             f"Per-iteration time (ms; {runs}, each {args.warmup} warm-up + "
-             f"{args.steps} timed steps of a fresh job) of every "
-             f"builder and of AutoStrategy's result after {args.trials} trials, on emulated "
-             "clusters (`autodist emulate`, one CPU replica per node), measured side by side.", "",
+             "Per-iteration time (ms) of every builder and of AutoStrategy's result, on emulated "
+             "clusters (`autodist emulate`; replicas are CPU devices of a node), measured side "
+             "by side in one run per setting.", "",
              f"**Goal:** AutoStrategy at least {GOAL_SPEEDUP}x faster than the best builder on "
              f"two of three settings, never below {GOAL_FLOOR}x. **Result:** the goal "
              f"**{verdict}** ({wins} of {len(results)} settings at >= {GOAL_SPEEDUP}x; "
@@ -148,6 +154,9 @@ def _section(results: list, args) -> str:
     for r, ratio in zip(results, ratios):
         best_name = _speedup(r)[0]
         auto = r["medians"]["AutoStrategy"]
+        run = r["run"]
+        runs = ("one run per strategy, strategies in turn" if run["repeats"] == 1
+                else f"median of {run['repeats']} interleaved runs")
         lines += [f"### {r['setting']}: {SETTINGS[r['setting']]['what']}", "",
                   "| strategy | ms per step | vs. AutoStrategy |", "|---|--:|--:|"]
         for name, t in sorted(r["medians"].items(), key=lambda kv: kv[1] or float("inf")):
@@ -155,7 +164,7 @@ def _section(results: list, args) -> str:
             lines.append(f"| {shown} | {1e3 * t:.1f} | {t / auto:.2f}x |" if t and auto
                          else f"| {shown} | failed | |")
         lines += ["", f"Best builder {best_name}; AutoStrategy **{ratio:.2f}x** (its strategy "
-                      f"came from {r['best_source']}). Search: {len(r['trials'])} trials in "
+                      f"came from {r['best_source']}). Search: {r['num_trials']} trials in "
                       f"{r['search_seconds'] / 60:.1f} min, hit rate {r['hit_rate'] or 0:.0%} "
                       "(search trials faster than the best builder trial)."]
         ranking = r["ranking"]
@@ -163,11 +172,24 @@ def _section(results: list, args) -> str:
             lines.append(f"Ranking of {ranking['held_out']} held-out strategies, Kendall tau: "
                          f"cost model alone {ranking['tau_cost_model']:.2f}, trained simulator "
                          f"{ranking['tau_trained']:.2f} (goal >= 0.7).")
-        lines += ["", f"![search progress: {r['setting']}](auto_search_{r['setting']}.png)", ""]
-    lines += [f"Measured {info['date']} on {info['cores']} cores ({info['cpu']}), TensorFlow "
-              f"{info['tf']}, Python {info['python']}; 1-minute load {info['load']} at the end.",
-              END]
+        info = r["machine"]
+        lines += [f"Measured {info['date']} ({runs}, each {run['warmup']} warm-up + "
+                  f"{r['timed_steps']} timed steps of a fresh job; search seed {run['seed']}) on "
+                  f"{info['cores']} cores ({info['cpu']}), TensorFlow {info['tf']}, Python "
+                  f"{info['python']}; 1-minute load {info['load']} at the end.", "",
+                  f"![search progress: {r['setting']}](auto_search_{r['setting']}.png)", ""]
+    lines.append(END)
     return "\n".join(lines)
+
+
+def _kept_results(path: str, fresh: list) -> list:
+    """The kept results with ``fresh`` replacing their settings' ones, in SETTINGS order."""
+    kept = {}
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            kept = json.load(f)
+    kept.update({r["setting"]: r for r in fresh})
+    return [kept[name] for name in SETTINGS if name in kept]
 
 
 def main(argv=None) -> int:
@@ -181,6 +203,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--min-timed-seconds", type=float, default=2.0,
+                        help="time more steps when fast: AutoStrategy's min_timed_seconds")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks.md"))
     parser.add_argument("--no-write", action="store_true")
@@ -195,12 +219,13 @@ def main(argv=None) -> int:
     import yaml
     from autodist.cluster import emulate
     results = []
+    results_path = os.path.join(os.path.dirname(args.out), "auto_vs_builders.json")
     workroot = tempfile.mkdtemp(prefix="auto_vs_builders.")
     for name in args.settings:
         setting = SETTINGS[name]
         emulate.down(CLUSTER_NAME)
-        with emulate.emulated_cluster(len(setting["rates"]), setting["rates"],
-                                      name=CLUSTER_NAME) as cluster:
+        with emulate.emulated_cluster(len(setting["rates"]), setting["rates"], name=CLUSTER_NAME,
+                                      cpus_per_node=setting.get("replicas", 1)) as cluster:
             workdir = os.path.join(workroot, name)
             os.makedirs(workdir)
             spec = os.path.join(workdir, "spec.yml")
@@ -212,7 +237,8 @@ def main(argv=None) -> int:
                        "--held-out", str(args.held_out if name in (args.held_out_in or [name])
                                          else 0),
                        "--repeats", str(args.repeats), "--warmup", str(args.warmup),
-                       "--steps", str(args.steps), "--seed", str(args.seed)]
+                       "--steps", str(args.steps), "--seed", str(args.seed),
+                       "--min-timed-seconds", str(args.min_timed_seconds)]
             print(f"[{name}] {setting['what']}", flush=True)
             done = subprocess.run(command, stdout=subprocess.PIPE, text=True)
             tagged = [line for line in done.stdout.splitlines() if line.startswith("AUTO_RESULT ")]
@@ -220,16 +246,23 @@ def main(argv=None) -> int:
                 print(f"[{name}] failed (exit {done.returncode}); work files in {workdir}")
                 return 1
             result = json.loads(tagged[-1][len("AUTO_RESULT "):])
+            plot = result.pop("plot")
+            result["machine"] = report.machine_info()
+            result["run"] = {k: getattr(args, k) for k in ("trials", "repeats", "warmup",
+                                                            "steps", "seed", "min_timed_seconds")}
             print(f"[{name}] medians (ms): "
                   + ", ".join(f"{n} {1e3 * t:.1f}" for n, t in result["medians"].items() if t),
                   f"ranking: {result['ranking']}", flush=True)
             results.append(result)
             if not args.no_write:  # after every setting: a long run stopped early keeps its part
-                if os.path.exists(result["plot"]):
-                    shutil.copy(result["plot"], os.path.join(os.path.dirname(args.out),
-                                                             f"auto_search_{name}.png"))
-                report.write_section(args.out, _section(results, args), BEGIN, END)
-    print(_section(results, args))
+                if os.path.exists(plot):
+                    shutil.copy(plot, os.path.join(os.path.dirname(args.out),
+                                                   f"auto_search_{name}.png"))
+                kept = _kept_results(results_path, results)
+                with open(results_path, "w", encoding="utf-8") as f:
+                    json.dump({r["setting"]: r for r in kept}, f, indent=1)
+                report.write_section(args.out, _section(kept), BEGIN, END)
+    print(_section(results))
     return 0
 
 
