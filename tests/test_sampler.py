@@ -9,12 +9,12 @@ import pytest
 
 from autodist.graph_item import VariableInfo
 from autodist.proto import synchronizers_pb2
+from autodist.resource_spec import ResourceSpec
 from autodist.simulator import CostModel
 from autodist.strategy import common
 from autodist.strategy.all_reduce_builders import no_grad_node_config
 from autodist.strategy.auto import SamplerConstraints, StrategySampler, sample, sample_many
 from autodist.strategy.compiler import compile_strategy
-from autodist.resource_spec import ResourceSpec
 from test_builders import ONE_NODE, THREE_NODES
 
 pytestmark = pytest.mark.timeout(120)
