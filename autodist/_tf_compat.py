@@ -2,8 +2,9 @@
 
 What AutoDist needs that TensorFlow exposes no public hook for: capturing what a
 ``tf.compat.v1`` optimizer is asked to apply, re-using that optimizer's
-hyper-parameters (and finding its non-slot state) in the rewritten graph, a fast
-graph import, and checkpoint entries whose saved value and restore are custom.
+hyper-parameters (and finding its non-slot state and the op updating each
+variable) in the rewritten graph, a fast graph import, and checkpoint entries
+whose saved value and restore are custom.
 """
 from __future__ import annotations
 
@@ -82,6 +83,36 @@ def optimizer_for_graph(optimizer: _V1Optimizer,
         elif isinstance(value, (tf.Tensor, tf.Variable)):
             setattr(clone, attr, translate(value))
     return clone
+
+
+def apply_gradients_per_variable(optimizer: _V1Optimizer, grads_and_vars: list,
+                                 global_step=None) -> tuple:
+    """``optimizer.apply_gradients``, also returning each variable's own update op.
+
+    The returned op also finishes the optimizer's shared state (Adam's powers, the
+    global step); each variable's update op lets a step act on that variable as
+    soon as it alone is updated.
+
+    Returns:
+        (the op ``apply_gradients`` returned, the update op of each entry of
+        ``grads_and_vars``, in order)
+    """
+    recorded = []
+    finish = optimizer._finish  # pylint: disable=protected-access
+
+    def recording_finish(update_ops, name_scope):
+        recorded.extend(update_ops)
+        return finish(update_ops, name_scope)
+
+    optimizer._finish = recording_finish  # pylint: disable=protected-access
+    try:
+        result = optimizer.apply_gradients(grads_and_vars, global_step=global_step)
+    finally:
+        del optimizer._finish  # pylint: disable=protected-access
+    if len(recorded) != len(grads_and_vars):
+        raise RuntimeError(f"{type(optimizer).__name__} updated {len(recorded)} variables "
+                           f"for {len(grads_and_vars)} gradients")
+    return result, recorded
 
 
 def optimizer_non_slot_variables(optimizer: _V1Optimizer, graph: tf.Graph) -> dict:

@@ -134,15 +134,16 @@ def accumulate_across_nodes(name: str, contribution, shape: tuple, sync,
     return apply, mean
 
 
-def token_queue(worker: int, ctx: KernelContext, purpose: str = "sync_token"
-                ) -> tf.queue.FIFOQueue:
+def token_queue(worker: int, ctx: KernelContext, purpose: str = "sync_token",
+                device: str = "") -> tf.queue.FIFOQueue:
     """The queue through which the chief lets worker ``worker`` go on.
 
     With the default ``purpose``, the worker's next step waits for a token; other
-    purposes (e.g. a finished restore) get queues of their own.
+    purposes (e.g. a finished restore) get queues of their own. The queue lives
+    on ``device``, by default the chief's.
     """
     name = f"autodist_{purpose}_{worker}"
-    with tf.device(ctx.chief_device):
+    with tf.device(device or ctx.chief_device):
         return tf.queue.FIFOQueue(capacity=-1, dtypes=[tf.int64], shapes=[[]],
                                   shared_name=name, name=name)
 

@@ -122,12 +122,12 @@ def transform(item: GraphItem, compiled: CompiledStrategy, ctx: KernelContext) -
         result.train_op, result.ps_step_op = _apply_updates(item, sync, shared_variables, ctx,
                                                             result.optimizers)
         _reconnect(result, deferred)
-        _plan_initialization(result, list(shared_variables.values()), sync.staleness)
+        _plan_initialization(result, list(shared_variables.values()), sync)
     return result
 
 
 def _plan_initialization(result: DistributedGraph, shared_variables: list,
-                         staleness: int) -> None:
+                         sync: _Synchronized) -> None:
     ctx = result.ctx
     everything = (tf.compat.v1.global_variables() + tf.compat.v1.local_variables())
     derived = set()
@@ -144,10 +144,14 @@ def _plan_initialization(result: DistributedGraph, shared_variables: list,
     # The optimizer's slots of the shared PS variables exist only in the chief's graph.
     first = [v for v in everything if v not in derived and (ctx.is_chief or v not in chief_owned)]
     prefill = []
-    if ctx.is_chief and ctx.multi_node and staleness:
-        # Bounded staleness across nodes: workers may run `staleness` steps ahead.
-        prefill = [token_queue(w, ctx).enqueue_many([tf.zeros([staleness], tf.int64)])
-                   for w in range(1, ctx.num_nodes)]
+    if ctx.is_chief and ctx.multi_node:
+        # Bounded staleness across nodes: workers may run `staleness` steps ahead,
+        # and read each part at most its own staleness bound behind.
+        queues = [(token_queue(w, ctx), sync.staleness) for w in range(1, ctx.num_nodes)]
+        queues += [(_part_token_queue(p, w, ctx), p.part.synchronizer.staleness)
+                   for p in sync.proxy_parts for w in range(1, ctx.num_nodes)]
+        prefill = [queue.enqueue_many([tf.zeros([staleness], tf.int64)])
+                   for queue, staleness in queues if staleness]
     result.init_ops = (tf.group(tf.compat.v1.variables_initializer(first), *prefill,
                                 name="autodist_init"),
                        tf.compat.v1.variables_initializer([v for v in everything if v in derived],
@@ -306,13 +310,19 @@ def _apply_updates(item: GraphItem, sync: _Synchronized, shared_variables: dict,
             return shared_variables[value.op.name].read_value()
         return graph.get_tensor_by_name(value.name)
 
+    updated = {}  # variable name -> the op updating it
+
     def apply(updates, count_step):
         # A fresh copy per call: each keeps its own non-slot state (Adam's powers).
         optimizer = _tf_compat.optimizer_for_graph(call.optimizer, translate)
         optimizers.append(optimizer)
         global_step = (shared_variables[call.global_step.op.name]
                        if count_step and call.global_step is not None else None)
-        return optimizer.apply_gradients(updates, global_step=global_step)
+        op, per_variable = _tf_compat.apply_gradients_per_variable(optimizer, updates,
+                                                                   global_step)
+        updated.update((variable.name, update) for (_, variable), update
+                       in zip(updates, per_variable))
+        return op
 
     # One global step on the chief, or one per node counting in step with the others.
     counts_step = ctx.is_chief or not ctx.shared_variables_on_chief
@@ -320,18 +330,27 @@ def _apply_updates(item: GraphItem, sync: _Synchronized, shared_variables: dict,
         updates = sync.ps_updates + sync.ar_updates
         steps = list(sync.sent) + sync.collectives + (
             [apply(updates, counts_step)] if updates else [])
-        return _end_step(steps, sync, ctx, "autodist_train_op"), None
+        return _end_step(steps, sync, ctx, updated, "autodist_train_op"), None
     local = [apply(sync.ar_updates, counts_step)] if sync.ar_updates else []
     first = tf.group(*sync.stashed, *sync.collectives, *local, name="autodist_train_op")
     steps = list(sync.sent)
     if sync.ps_updates:
         with tf.control_dependencies(sync.sent):
             steps.append(apply(sync.ps_updates, False))
-    return first, _end_step(steps, sync, ctx, "autodist_ps_step")
+    return first, _end_step(steps, sync, ctx, updated, "autodist_ps_step")
 
 
-def _end_step(steps: list, sync: _Synchronized, ctx: KernelContext, name: str) -> tf.Operation:
-    """After ``steps``: the chief's tokens to the workers (or a worker's wait), proxy refresh."""
+def _end_step(steps: list, sync: _Synchronized, ctx: KernelContext, updated: dict,
+              name: str) -> tf.Operation:
+    """After ``steps``: the chief's tokens to the workers (or a worker's wait), proxy refresh.
+
+    Each proxy is refreshed as soon as its own part is updated (a worker learns
+    of it through a token of that part): on a cluster, pulls of the parts
+    updated first then overlap the pushes of the others.
+
+    Args:
+        updated: variable name -> the op updating it, for the updates this node applies.
+    """
     if ctx.multi_node and (sync.sent or sync.proxy_parts):
         with tf.control_dependencies(steps):
             if ctx.is_chief:
@@ -341,12 +360,33 @@ def _end_step(steps: list, sync: _Synchronized, ctx: KernelContext, name: str) -
                 steps = [token_queue(ctx.node_index, ctx).dequeue()]
     if not sync.proxy_parts:
         return tf.group(*steps, name=name)
-    with tf.control_dependencies(steps), tf.device(ctx.shared_device):
+    with tf.device(ctx.shared_device):
         counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="autodist_step")
         step = counter.assign_add(1)
-        refreshes = [refresh_proxies(p.copies[0], p.readers, p.part.synchronizer.staleness, step)
-                     for p in sync.proxy_parts]
+    refreshes = []
+    for part in sync.proxy_parts:
+        shared = part.copies[0]
+        if shared.name in updated:  # this node updates the part, and tells the workers
+            gate = [updated[shared.name]]
+            with tf.control_dependencies(gate):
+                steps += [_part_token_queue(part, w, ctx).enqueue(tf.constant(0, tf.int64))
+                          for w in range(1, ctx.num_nodes)]
+        else:
+            gate = [_part_token_queue(part, ctx.node_index, ctx).dequeue()]
+        with tf.control_dependencies(gate):
+            refreshes.append(refresh_proxies(shared, part.readers,
+                                             part.part.synchronizer.staleness, step))
     return tf.group(*steps, *refreshes, name=name)
+
+
+def _part_token_queue(part: PartStorage, worker: int, ctx: KernelContext) -> tf.queue.FIFOQueue:
+    """The queue telling worker ``worker`` that ``part`` is updated, beside the part.
+
+    On the part's own device, a worker's wait and its read of the new value run
+    there together, without a round trip of their own.
+    """
+    return token_queue(worker, ctx, f"updated_{part.part.name}",
+                       device=ctx.tf_device(part.part.synchronizer.reduction_destination))
 
 
 def _reconnect(result: DistributedGraph, deferred: list) -> None:
