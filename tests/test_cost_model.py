@@ -14,7 +14,7 @@ from test_builders import GRAPH, THREE_NODES
 
 pytestmark = pytest.mark.timeout(60)
 
-A, B = "10.0.0.1", "10.0.0.2"
+A, B, C = "10.0.0.1", "10.0.0.2", "10.0.0.3"
 MB4 = 4_000_000  # bytes of a (1_000_000,) float32 variable
 LATENCY = CostWeights().collective_latency
 OVERHEAD = CostWeights().ps_part_overhead
@@ -156,19 +156,61 @@ def test_a_proxy_pulls_once_per_node_a_transfer_destination_pushes_once():
 
 def test_the_busiest_nic_of_each_phase_binds():
     # Push: server A at 2 Gbit/s receives 3 pushes (0.048 s); B at 1 Gbit/s sends them
-    # (0.096 s). Pull, with a proxy: A sends one copy (0.016 s), B receives it (0.032 s).
+    # (0.096 s). Refresh, with a proxy, after the push: A sends one copy (0.016 s), B
+    # receives it (0.032 s).
     lopsided = spec((A, 1, 2), (B, 3, 1))
     node = common.ps_node_config("v", f"{A}:CPU:0", local_replication=True)
     result = breakdown(strategy_of(lopsided, node), [vec("v")], lopsided)
-    assert result.binding_resource == f"{B} out (push), {B} in (pull)"
+    assert result.binding_resource == f"{B} out (push), {B} in (last refreshes)"
     assert result.totals["ps_transfer"] == pytest.approx(0.096 + 0.032)
     # Two servers, B at 0.5 Gbit/s serves w (8 MB). Push: B sends v to A (0.064 s) and
     # receives w (0.128 s). Pull: B sends w (0.128 s) and receives v (0.064 s).
     two = spec((A, 1, 1), (B, 1, 0.5))
     nodes = [common.ps_node_config("v", f"{A}:CPU:0"), common.ps_node_config("w", f"{B}:CPU:0")]
     result = breakdown(strategy_of(two, *nodes), [vec("v"), vec("w", 2_000_000)], two)
-    assert result.binding_resource == f"{B} in (push), {B} out (pull)"
+    assert result.binding_resource == f"{B} in (push), {B} out (read)"
     assert result.totals["ps_transfer"] == pytest.approx(2 * seconds(2 * MB4, 0.5))  # 0.256 s
+
+
+@pytest.mark.parametrize("num_parts", [1, 2, 4])
+def test_refreshes_overlap_the_other_parts_pushes(num_parts):
+    # B pushes 8 MB to A (0.064 s) and refreshes 8 MB of proxies (0.064 s, inbound).
+    # A part's refresh follows its own push, so the last part's refresh adds.
+    # (Measured: docs/benchmarks.md, "Proxies refreshed part by part".)
+    pair = spec((A, 1, 1), (B, 1, 1))
+    names = [f"v{i}" for i in range(num_parts)]
+    variables = [vec(n, 2_000_000 // num_parts) for n in names]
+    proxies = [common.ps_node_config(n, f"{A}:CPU:0", local_replication=True) for n in names]
+    result = breakdown(strategy_of(pair, *proxies), variables, pair)
+    assert result.totals["ps_transfer"] == pytest.approx(0.064 + 0.064 / num_parts)
+    # Read directly by the next step instead, the values add up in full.
+    direct = [common.ps_node_config(n, f"{A}:CPU:0") for n in names]
+    result = breakdown(strategy_of(pair, *direct), variables, pair)
+    assert result.totals["ps_transfer"] == pytest.approx(0.064 + 0.064)
+
+
+def test_a_nic_carries_its_nodes_pushes_and_refreshes_together():
+    # v on A, w on B, 4 MB each, with proxies. A's outbound NIC sends w's gradient (push)
+    # and v's new value (refresh), 0.064 s together; B's likewise.
+    pair = spec((A, 1, 1), (B, 1, 1))
+    nodes = [common.ps_node_config("v", f"{A}:CPU:0", local_replication=True),
+             common.ps_node_config("w", f"{B}:CPU:0", local_replication=True)]
+    result = breakdown(strategy_of(pair, *nodes), [vec("v"), vec("w")], pair)
+    assert result.totals["ps_transfer"] == pytest.approx(0.064)
+    assert result.binding_resource.endswith("(push, refresh)")
+
+
+def test_each_servers_last_refresh_comes_after_the_pushes():
+    # On a 0.5 Gbit/s node B, 16 MB of parts pushed to two fast servers (0.256 s) and
+    # refreshed (0.256 s, inbound). Each server's pushes arrive together, so its largest
+    # part, 2 MB, is refreshed last: 2 x 0.032 s more.
+    three = spec((A, 1, 10), (C, 1, 10), (B, 1, 0.5))
+    nodes = [common.ps_node_config(f"v{i}", f"{A if i % 2 else C}:CPU:0", local_replication=True)
+             for i in range(8)]
+    variables = [vec(f"v{i}", 500_000) for i in range(8)]
+    result = breakdown(strategy_of(three, *nodes), variables, three)
+    assert result.binding_resource == f"{B} out (push), {B} in (last refreshes)"
+    assert result.totals["ps_transfer"] == pytest.approx(0.256 + 2 * 0.032)
 
 
 def test_replicas_next_to_the_server_use_the_local_bus():

@@ -16,9 +16,12 @@ The prediction is a linear combination of a few named components, each a
 * ``ps_transfer`` (seconds at nominal bandwidth): PS gradients pushed and
   values pulled, accumulated per resource: each node's NIC inbound, its NIC
   outbound (full duplex: ``autodist emulate`` shapes both directions
-  separately) and its local bus for replicas next to the server. Pushes and
-  pulls are phases one after the other, so the busiest resource of each phase
-  binds and the two add up.
+  separately) and its local bus for replicas next to the server. Proxies are
+  refreshed part by part as the parts are updated, overlapping the other
+  parts' pushes, so pushes and refreshes load the resources together; but a
+  server's pushes arrive together, at the end, so its largest part's refresh
+  overlaps nothing and may add to the pushes' time. Direct reads of the servers come after every update, so the busiest
+  resource of the pushes and refreshes and that of the reads add up.
 * ``ps_part_overhead`` (PS parts with a gradient): fixed per-part work every
   step (send, accumulate, apply, read), so that many tiny parts cost something.
 * ``ps_serving_nodes`` (nodes serving PS parts with a gradient, on a cluster):
@@ -39,7 +42,7 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 
-from autodist.simulator.traffic import (DIRECTIONS, PHASES, ClusterView, SyncParts,
+from autodist.simulator.traffic import (DIRECTIONS, ClusterView, SyncParts,
                                         cluster_view, ps_flows, ps_loads, seconds, sync_parts)
 
 COMPONENTS = ("ring_all_reduce", "all_gather", "collective_latency", "ps_transfer",
@@ -100,7 +103,7 @@ class CostBreakdown:
         totals: component -> seconds (weighted), every component present.
         weights: component -> weight used.
         binding_resource: the PS resource that binds in each phase, e.g.
-            ``"10.0.0.1 in (push), 10.0.0.1 out (pull)"``, or None without PS traffic.
+            ``"10.0.0.1 in (push, refresh), 10.0.0.1 out (read)"``, or None without PS traffic.
     """
 
     rows: Tuple[CostRow, ...]
@@ -314,27 +317,54 @@ def _ps_charges(parts: SyncParts, index: np.ndarray, cluster: ClusterView, split
     Returns:
         tuple: (component -> feature; the charges of those parts: the overhead
         and each part's share of the binding resources; the binding resources,
-        e.g. ``"10.0.0.1 in (push), 10.0.0.1 out (pull)"``, or None without PS traffic).
+        e.g. ``"10.0.0.1 in (push, refresh), 10.0.0.1 out (read)"``, or None without PS traffic).
     """
     has_grad = parts.has_grad[index]
     features = {"ps_part_overhead": float(np.count_nonzero(has_grad))}
-    nodes, loads = ps_loads(ps_flows(parts, index, split_step), parts.servers, cluster)
+    flows = ps_flows(parts, index, split_step)
+    nodes, loads = ps_loads(flows, parts.servers, cluster)
+    rates = np.array([[cluster.gbps((node, direction)) for direction in DIRECTIONS]
+                      for node in nodes])
+    push, refresh, read = (seconds(phase, rates[:, :, None]) for phase in loads)
     share: _Column = 0.0
     bindings = []
-    for phase, phase_loads in zip(PHASES, loads):
-        busy = [(seconds(num_bytes, cluster.gbps((node, direction))), node, direction)
-                for node, per_direction in zip(nodes, phase_loads.sum(axis=2).tolist())
-                for direction, num_bytes in zip(DIRECTIONS, per_direction) if num_bytes > 0]
-        if not busy:
-            continue
-        busiest, node, direction = max(busy)
-        features["ps_transfer"] = features.get("ps_transfer", 0.0) + busiest
-        share = share + seconds(phase_loads[nodes.index(node), DIRECTIONS.index(direction)],
-                                cluster.gbps((node, direction)))
-        bindings.append(f"{node} {direction} ({phase})")
+    # Refreshes overlap the pushes, but a part's refresh follows its own push.
+    # Each server's pushes arrive together, so its largest refresh comes last:
+    # the busiest resource of pushes and refreshes binds, or else that of the
+    # pushes, then those last refreshes.
+    refresh_times = refresh.max(axis=(0, 1))  # each part's, on its busiest resource
+    last = np.zeros(len(index), dtype=bool)
+    for server in np.unique(flows.server[refresh_times > 0]):
+        on_server = np.flatnonzero(flows.server == server)
+        last[on_server[np.argmax(refresh_times[on_server])]] = True
+    overlapped, node, direction = _busiest(push + refresh)
+    after_pushes, push_node, push_direction = _busiest(push)
+    tail, tail_node, tail_direction = _busiest(np.where(last, refresh, 0.0))
+    if after_pushes + tail > overlapped:
+        features["ps_transfer"] = after_pushes + tail
+        share = push[push_node, push_direction] + refresh[tail_node, tail_direction] * last
+        bindings.append(f"{nodes[push_node]} {DIRECTIONS[push_direction]} (push), "
+                        f"{nodes[tail_node]} {DIRECTIONS[tail_direction]} (last refreshes)")
+    elif overlapped:
+        features["ps_transfer"] = overlapped
+        share = (push + refresh)[node, direction]
+        phases = "push, refresh" if last.any() else "push"
+        bindings.append(f"{nodes[node]} {DIRECTIONS[direction]} ({phases})")
+    reading, node, direction = _busiest(read)
+    if reading:
+        features["ps_transfer"] = features.get("ps_transfer", 0.0) + reading
+        share = share + read[node, direction]
+        bindings.append(f"{nodes[node]} {DIRECTIONS[direction]} (read)")
     charged = _interleave(index, ("ps_part_overhead", 1.0, has_grad),
                           ("ps_transfer", share, share != 0))
     return features, charged, ", ".join(bindings) or None
+
+
+def _busiest(per_flow: np.ndarray) -> Tuple[float, int, int]:
+    """(seconds, node, direction) of the busiest resource of ``[node, direction, flow]`` times."""
+    per_resource = per_flow.sum(axis=2)
+    node, direction = np.unravel_index(np.argmax(per_resource), per_resource.shape)
+    return float(per_resource[node, direction]), int(node), int(direction)
 
 
 def _step_charges(parts: SyncParts, ps: np.ndarray, multi_node: bool, split_step: bool

@@ -23,9 +23,8 @@ Traffic rules for a PS part on node ``D``, each replica's gradient ``g`` bytes
 * replicas on ``D`` itself load ``D``'s local bus instead of its NIC.
 
 NICs are full duplex (``autodist emulate`` shapes both directions separately),
-so a node's inbound and outbound bytes are separate resources. Pushes and pulls
-are separate phases of a step, though (:data:`PHASES`), so they cannot use the
-two directions at once.
+so a node's inbound and outbound bytes are separate resources. When those bytes
+move in a step is given by :data:`PHASES`.
 """
 from __future__ import annotations
 
@@ -47,11 +46,12 @@ DIRECTIONS = ("in", "out", "local")
 """A node's resources: its NIC inbound, its NIC outbound, its local bus."""
 _IN, _OUT, _LOCAL = range(len(DIRECTIONS))
 
-PHASES = ("push", "pull")
-"""The phases of a synchronous PS step, one after the other: a step's reads wait
-for the previous step's updates (proxies are refreshed after them), and the
-gradients are pushed after the reads."""
-_PUSH, _PULL = range(len(PHASES))
+PHASES = ("push", "refresh", "read")
+"""How PS bytes move in a synchronous step: gradients are pushed to the
+servers; a proxy is refreshed as soon as its own part is updated, so refreshes
+overlap the pushes of the parts still arriving; replicas without a proxy read
+the servers in the next step's forward pass, after every update."""
+_PUSH, _REFRESH, _READ = range(len(PHASES))
 
 _FP16_BYTES = 2
 
@@ -350,7 +350,7 @@ def ps_loads(flows: PSFlows, servers: List[str],
     server = np.array([nodes.index(node) for node in servers], dtype=np.intp)[flows.server]
     flow = np.arange(len(server))
     loads = np.zeros((len(PHASES), len(nodes), len(DIRECTIONS), len(server)))
-    push, pull = loads[_PUSH], loads[_PULL]
+    push, pull = loads[_PUSH], np.zeros_like(loads[_PUSH])
     for node, count in enumerate(cluster.replicas_per_node.values()):
         here = server == node
         reads = np.where(flows.proxy, flows.read, count * flows.read)
@@ -362,4 +362,6 @@ def ps_loads(flows: PSFlows, servers: List[str],
         push[server, _IN, flow] += sent
         pull[server, _OUT, flow] += reads
         pull[node, _IN] += reads
+    loads[_REFRESH] = np.where(flows.proxy, pull, 0.0)
+    loads[_READ] = np.where(flows.proxy, 0.0, pull)
     return nodes, loads
