@@ -299,3 +299,24 @@ def test_sampling_and_scoring_2000_candidates_of_a_400_variable_graph():
     assert len(scores) == 2000 and min(scores) > 0
     assert max(scores) / min(scores) > 1.3  # the candidates really differ
     assert elapsed < 60
+
+
+def test_pure_choices_are_drawn_even_among_hundreds_of_variables():
+    # Every dense variable on PS behind a proxy: a uniformly drawn share would make
+    # all 200 choose alike about never; each share is 0 or 1 a quarter of the time.
+    many = [VariableInfo(f"layer{i}/kernel", (16, 16), "float32") for i in range(200)]
+    many.append(VariableInfo("emb", (5000, 32), "float32", sparse_grad=True))
+    sampler = StrategySampler(types.SimpleNamespace(trainable_variables=many), THREE_NODES)
+    pure, sparse_read_directly = 0, 0
+    for strategy in sampler.sample_many(400, seed=5):
+        dense = [n for n in strategy.node_config if n.var_name != "emb"]
+        if all(n.WhichOneof("synchronizer") == "PSSynchronizer"
+               and n.PSSynchronizer.local_replication for n in dense):
+            pure += 1
+            emb = next(n for n in strategy.node_config if n.var_name == "emb")
+            units_of_emb = emb.part_config if emb.partitioner else [emb]
+            sparse_read_directly += all(u.WhichOneof("synchronizer") == "PSSynchronizer"
+                                        and not u.PSSynchronizer.local_replication
+                                        for u in units_of_emb)
+    assert pure >= 10  # 25 expected
+    assert sparse_read_directly >= 1  # its proxy share is drawn apart from the dense one

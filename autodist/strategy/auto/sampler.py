@@ -2,14 +2,17 @@
 
 A sample is drawn in two levels. First a few strategy-wide knobs: the share of
 dense and of sparse-gradient variables sent to parameter servers, the share of
-optional partitions, the share of PS variables with a local proxy, the share
-whose nodes sum their replicas' gradients before the push (on a cluster with a
+optional partitions, the shares of dense and of sparse PS variables with a
+local proxy (a sparse one copies its whole table), the share whose nodes sum their replicas' gradients before the push (on a cluster with a
 node of several replicas), which PS devices serve, how many AllReduce groups
 there are and, when allowed, the staleness bound and the share of
 fp16-compressed groups. Then every variable draws its own choices from those
 shares. Drawing the shares first spreads the samples from all-AllReduce to
 all-PS strategies instead of piling them up around an even mix, which
-independent per-variable coin flips would do.
+independent per-variable coin flips would do; and each share is 0 or 1 a
+quarter of the time each, since with hundreds of variables a share drawn
+uniformly almost never makes all of them choose alike, and such pure choices
+(every dense variable on PS, each behind a proxy) are often the fastest.
 
 The structure is never random where a rule does better: PS variables and shards
 are placed with :func:`common.balanced_placement`, and AllReduce units are
@@ -103,12 +106,21 @@ class _Knobs:
     dense_ps_share: float
     sparse_ps_share: float
     partition_share: float
-    proxy_share: float
+    dense_proxy_share: float
+    sparse_proxy_share: float
     aggregate_share: float
     fp16_share: float
     staleness: int
     servers: tuple
     groups: int
+
+
+def _draw_share(rng: random.Random) -> float:
+    """A share in [0, 1]: 0 or 1 a quarter of the time each, else uniform."""
+    draw = rng.random()
+    if draw < 0.5:
+        return float(draw >= 0.25)
+    return rng.random()
 
 
 class StrategySampler:
@@ -207,12 +219,13 @@ class StrategySampler:
         most = max(1, min(c.max_groups or self._most_units, self._most_units))
         groups = min(most, int(math.exp(rng.uniform(0.0, math.log(most + 1)))))
         return _Knobs(
-            dense_ps_share=rng.random(),
-            sparse_ps_share=rng.random() if c.sparse_all_reduce else 1.0,
-            partition_share=rng.random(),
-            proxy_share=rng.random(),
-            aggregate_share=rng.random() if self._can_aggregate else 0.0,
-            fp16_share=rng.random() if c.allow_fp16 else 0.0,
+            dense_ps_share=_draw_share(rng),
+            sparse_ps_share=_draw_share(rng) if c.sparse_all_reduce else 1.0,
+            partition_share=_draw_share(rng),
+            dense_proxy_share=_draw_share(rng),
+            sparse_proxy_share=_draw_share(rng),
+            aggregate_share=_draw_share(rng) if self._can_aggregate else 0.0,
+            fp16_share=_draw_share(rng) if c.allow_fp16 else 0.0,
             staleness=rng.randint(0, c.max_staleness) if c.max_staleness else 0,
             servers=servers,
             groups=max(1, groups))
@@ -232,7 +245,8 @@ class StrategySampler:
             num_parts = rng.randint(c.min_partitions, min(c.max_partitions, int(var.shape[axis])))
         share = knobs.sparse_ps_share if var.sparse_grad else knobs.dense_ps_share
         is_ps = rng.random() < share
-        proxy = is_ps and rng.random() < knobs.proxy_share
+        proxy = is_ps and rng.random() < (knobs.sparse_proxy_share if var.sparse_grad
+                                          else knobs.dense_proxy_share)
         aggregate = is_ps and rng.random() < knobs.aggregate_share
         if num_parts == 1:
             return _Plan("", [var.name], [size], is_ps, proxy, aggregate)
