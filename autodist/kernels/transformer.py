@@ -147,11 +147,12 @@ def _plan_initialization(result: DistributedGraph, shared_variables: list,
     if ctx.is_chief and ctx.multi_node:
         # Bounded staleness across nodes: workers may run `staleness` steps ahead,
         # and read each part at most its own staleness bound behind.
-        queues = [(token_queue(w, ctx), sync.staleness) for w in range(1, ctx.num_nodes)]
+        workers = range(1, ctx.num_nodes)
+        queues = [(token_queue(w, ctx), sync.staleness) for w in workers if sync.staleness]
         queues += [(_part_token_queue(p, w, ctx), p.part.synchronizer.staleness)
-                   for p in sync.proxy_parts for w in range(1, ctx.num_nodes)]
+                   for p in sync.proxy_parts if p.part.synchronizer.staleness for w in workers]
         prefill = [queue.enqueue_many([tf.zeros([staleness], tf.int64)])
-                   for queue, staleness in queues if staleness]
+                   for queue, staleness in queues]
     result.init_ops = (tf.group(tf.compat.v1.variables_initializer(first), *prefill,
                                 name="autodist_init"),
                        tf.compat.v1.variables_initializer([v for v in everything if v in derived],
@@ -363,20 +364,20 @@ def _end_step(steps: list, sync: _Synchronized, ctx: KernelContext, updated: dic
     with tf.device(ctx.shared_device):
         counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="autodist_step")
         step = counter.assign_add(1)
-    refreshes = []
+    refreshes, told = [], []
     for part in sync.proxy_parts:
         shared = part.copies[0]
         if shared.name in updated:  # this node updates the part, and tells the workers
             gate = [updated[shared.name]]
             with tf.control_dependencies(gate):
-                steps += [_part_token_queue(part, w, ctx).enqueue(tf.constant(0, tf.int64))
-                          for w in range(1, ctx.num_nodes)]
+                told += [_part_token_queue(part, w, ctx).enqueue(tf.constant(0, tf.int64))
+                         for w in range(1, ctx.num_nodes)]
         else:
             gate = [_part_token_queue(part, ctx.node_index, ctx).dequeue()]
         with tf.control_dependencies(gate):
             refreshes.append(refresh_proxies(shared, part.readers,
                                              part.part.synchronizer.staleness, step))
-    return tf.group(*steps, *refreshes, name=name)
+    return tf.group(*steps, *told, *refreshes, name=name)
 
 
 def _part_token_queue(part: PartStorage, worker: int, ctx: KernelContext) -> tf.queue.FIFOQueue:

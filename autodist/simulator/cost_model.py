@@ -20,8 +20,9 @@ The prediction is a linear combination of a few named components, each a
   refreshed part by part as the parts are updated, overlapping the other
   parts' pushes, so pushes and refreshes load the resources together; but a
   server's pushes arrive together, at the end, so its largest part's refresh
-  overlaps nothing and may add to the pushes' time. Direct reads of the servers come after every update, so the busiest
-  resource of the pushes and refreshes and that of the reads add up.
+  overlaps nothing and may add to the pushes' time. Direct reads of the
+  servers come after every update, so the busiest resource of the pushes and
+  refreshes and that of the reads add up.
 * ``ps_part_overhead`` (PS parts with a gradient): fixed per-part work every
   step (send, accumulate, apply, read), so that many tiny parts cost something.
 * ``ps_serving_nodes`` (nodes serving PS parts with a gradient, on a cluster):

@@ -3,8 +3,9 @@
 A sample is drawn in two levels. First a few strategy-wide knobs: the share of
 dense and of sparse-gradient variables sent to parameter servers, the share of
 optional partitions, the shares of dense and of sparse PS variables with a
-local proxy (a sparse one copies its whole table), the share whose nodes sum their replicas' gradients before the push (on a cluster with a
-node of several replicas), which PS devices serve, how many AllReduce groups
+local proxy (a sparse one copies its whole table), the share whose nodes sum
+their replicas' gradients before the push (on a cluster with a node of
+several replicas), which PS devices serve, how many AllReduce groups
 there are and, when allowed, the staleness bound and the share of
 fp16-compressed groups. Then every variable draws its own choices from those
 shares. Drawing the shares first spreads the samples from all-AllReduce to
