@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from autodist.kernels.compressor import make_compressor
+from autodist.kernels.compressor import compressor_name, make_compressor
 from autodist.kernels.context import KernelContext, replica_scope
-from autodist.proto import synchronizers_pb2
 
 COLLECTIVE_GROUP_KEY = 1
 # Sub-rings per device: a merged group is one large buffer, and with a single
 # ring every step copies a whole chunk before adding it; several overlap the
 # transfer of one piece with the arithmetic of another (docs/benchmarks.md).
 _RING_SUBDIVISIONS = 4
-_COMPRESSOR_NAMES = synchronizers_pb2.AllReduceSynchronizer.Compressor.Name
 
 
 def create_all_reduce_storage(name: str, initial_value: tf.Tensor, ctx: KernelContext):
@@ -110,7 +108,7 @@ def _reduce_dense(grads: list, sync, group_size: int, key: int, scope: str) -> t
     flat_shape = tf.constant([-1])  # one shape constant for all: large groups are common
     flat = tf.concat([tf.reshape(g, flat_shape) for g in grads], 0) if len(grads) > 1 \
         else tf.reshape(grads[0], flat_shape)
-    compressor = make_compressor(_COMPRESSOR_NAMES(sync.compressor), scope)
+    compressor = make_compressor(compressor_name(sync.compressor), scope)
     wire, ctx = compressor.compress(flat)
     summed = tf.raw_ops.CollectiveReduceV2(
         input=wire, group_size=group_size, group_key=COLLECTIVE_GROUP_KEY,

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from autodist.proto import synchronizers_pb2
+
 _REGISTRY = {}
 
 
@@ -16,6 +18,15 @@ def register(name: str):
         _REGISTRY[name] = cls
         return cls
     return add
+
+
+def compressor_name(value: int) -> str:
+    """The proto enum name of an ``AllReduceSynchronizer.compressor`` value, its registry key.
+
+    Raises:
+        ValueError: for a value the enum does not define.
+    """
+    return synchronizers_pb2.AllReduceSynchronizer.Compressor.Name(value)
 
 
 def make_compressor(name: str, var_scope: str):
