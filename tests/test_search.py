@@ -105,6 +105,9 @@ def test_auto_strategy_rejects_bad_settings():
         AutoStrategy(steps=0)
     with pytest.raises(ValueError, match="min_timed_seconds must be a number >= 0, got -1"):
         AutoStrategy(min_timed_seconds=-1)
+    # The settings check themselves, for the CLI and anything else that builds them.
+    with pytest.raises(ValueError, match="per_round must be an integer >= 1, got 0"):
+        SearchSettings(per_round=0)
 
 
 class StepRecorder:
@@ -166,6 +169,24 @@ def test_explain_names_a_missing_script(tmp_path, capsys):
     BUILDERS["PS"]().build(synthetic_graph(2), heterogeneous_cluster()).save(str(strategy))
     assert cli.main(["explain", str(strategy), "--script", str(tmp_path / "nope.py")]) == 1
     assert "nope.py' does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--min-timed-seconds", "-1", "min_timed_seconds must be a number >= 0, got -1.0."),
+    ("--steps", "0", "steps must be an integer >= 1, got 0."),
+])
+def test_search_command_refuses_a_bad_setting_before_running_the_script(tmp_path, capsys, option,
+                                                                        value, message):
+    from autodist import cli
+    script, ran, log_dir = tmp_path / "train.py", tmp_path / "ran", tmp_path / "log"
+    script.write_text(f"open({str(ran)!r}, 'w').close()\n")
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["search", str(script), option, value, "--log-dir", str(log_dir)])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == f"autodist search: error: {message}"
+    assert "Traceback" not in err
+    assert not ran.exists() and not log_dir.exists()
 
 
 @pytest.mark.timeout(120)

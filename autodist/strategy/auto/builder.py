@@ -36,7 +36,12 @@ from autodist.strategy.base import Strategy, StrategyBuilder
 
 @dataclasses.dataclass(frozen=True)
 class SearchSettings:
-    """How a search runs; the arguments of :class:`AutoStrategy`."""
+    """How a search runs; the arguments of :class:`AutoStrategy` and ``autodist search``.
+
+    Raises:
+        ValueError: naming the field and its value, when a count is below its
+            least or ``min_timed_seconds`` is not a number >= 0.
+    """
 
     trials: int = 30
     candidates: int = 2000
@@ -51,6 +56,19 @@ class SearchSettings:
     seed: int = 0
     progress: bool = True
     min_timed_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        # Checked here rather than by each caller, so AutoStrategy, `autodist search`
+        # and the benchmarks refuse the same values.
+        for name, least in (("trials", 0), ("candidates", 1), ("per_round", 1),
+                            ("batch_size", 1), ("warmup", 1), ("steps", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}.")
+        seconds = self.min_timed_seconds
+        if (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                or not 0 <= seconds < math.inf):
+            raise ValueError(f"min_timed_seconds must be a number >= 0, got {seconds!r}.")
 
     def constraints(self) -> SamplerConstraints:
         return SamplerConstraints(allow_fp16=self.allow_lossy,
@@ -82,6 +100,10 @@ class AutoStrategy(StrategyBuilder):
             far, since a few steps of a fast model are too short to rank by.
             The script must then train that many steps; 0 times ``steps`` only.
 
+    Raises:
+        ValueError: from :class:`SearchSettings`, for a count below its least or
+            a negative ``min_timed_seconds``.
+
     Note:
         The script must train at least ``warmup + steps`` steps, fetching the
         train op, and may not depend on anything that runs only once (a trial
@@ -93,16 +115,6 @@ class AutoStrategy(StrategyBuilder):
                  warmup: int = 3, steps: int = 10, trial_timeout: float = 600.0,
                  log_dir: str = "autodist_search", seed: int = 0, progress: bool = True,
                  min_timed_seconds: float = 0.0):
-        for name, value, least in (("trials", trials, 0), ("candidates", candidates, 1),
-                                   ("per_round", per_round, 1), ("batch_size", batch_size, 1),
-                                   ("warmup", warmup, 1), ("steps", steps, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"AutoStrategy: {name} must be an integer >= {least}, "
-                                 f"got {value!r}.")
-        if (isinstance(min_timed_seconds, bool) or not isinstance(min_timed_seconds, (int, float))
-                or not 0 <= min_timed_seconds < math.inf):
-            raise ValueError("AutoStrategy: min_timed_seconds must be a number >= 0, got "
-                             f"{min_timed_seconds!r}.")
         self.settings = SearchSettings(trials, candidates, per_round, batch_size, allow_lossy,
                                        with_builders, warmup, steps, trial_timeout, log_dir,
                                        seed, progress, min_timed_seconds)

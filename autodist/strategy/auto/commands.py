@@ -9,6 +9,7 @@ session). TensorFlow and the simulator load only when a command runs.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 
 
@@ -20,22 +21,27 @@ def _runner(args: argparse.Namespace, workdir: str):
                         timeout=args.trial_timeout)
 
 
-def _search(args: argparse.Namespace) -> int:
+def _search(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from autodist.resource_spec import ResourceSpec
     from autodist.strategy.auto.builder import SearchSettings, search_strategy
 
+    try:
+        settings = SearchSettings(trials=args.trials, candidates=args.candidates,
+                                  per_round=args.per_round, batch_size=args.batch_size,
+                                  allow_lossy=args.allow_lossy, with_builders=not args.no_builders,
+                                  warmup=args.warmup, steps=args.steps,
+                                  trial_timeout=args.trial_timeout, log_dir=args.log_dir,
+                                  seed=args.seed, min_timed_seconds=args.min_timed_seconds)
+    except ValueError as err:
+        # An option out of range is a usage error, like one that does not parse: refused
+        # (status 2) before the script is run to read its graph.
+        parser.error(str(err))
     runner = _runner(args, os.path.join(args.log_dir, "trials"))
     print(f"Reading the graph of {args.script} ...", flush=True)
     captured = runner.capture()
     spec = ResourceSpec(captured.spec)
     print(f"{len(captured.trainable_variables)} trainable variables; cluster {captured.spec} "
           f"({len(spec.nodes)} nodes, {spec.num_replicas} replicas).", flush=True)
-    settings = SearchSettings(trials=args.trials, candidates=args.candidates,
-                              per_round=args.per_round, batch_size=args.batch_size,
-                              allow_lossy=args.allow_lossy, with_builders=not args.no_builders,
-                              warmup=args.warmup, steps=args.steps,
-                              trial_timeout=args.trial_timeout, log_dir=args.log_dir,
-                              seed=args.seed, min_timed_seconds=args.min_timed_seconds)
     result = search_strategy(captured, spec, runner, settings)
     path = result.best.save(args.out)
     print()
@@ -105,7 +111,7 @@ def add_search_subcommand(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", default="best.strategy",
                         help="where to save the best strategy (default: best.strategy)")
     _common(parser)
-    parser.set_defaults(func=_search)
+    parser.set_defaults(func=functools.partial(_search, parser=parser))
 
 
 def add_explain_subcommand(subparsers: argparse._SubParsersAction) -> None:
