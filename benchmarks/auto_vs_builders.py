@@ -35,6 +35,8 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+
 import report
 
 ENV = {"AUTODIST_INTRA_OP_THREADS": "1", "AUTODIST_INTER_OP_THREADS": "2",
@@ -105,9 +107,19 @@ def run_setting(args) -> dict:
             features.append(fresh.features(strategy))
     ranking = {}
     if len(measured) >= 2:
+        cost_model = [prior_seconds(f) for f in features]
+        trained = result.simulator.score(features).tolist()
         ranking = {"held_out": len(measured),
-                   "tau_cost_model": kendall_tau([prior_seconds(f) for f in features], measured),
-                   "tau_trained": kendall_tau(result.simulator.score(features), measured)}
+                   "tau_cost_model": kendall_tau(cost_model, measured),
+                   "tau_trained": kendall_tau(trained, measured),
+                   "measured_s": measured, "cost_model_s": cost_model, "trained_s": trained}
+    # The feature sequences and times of every measured strategy, to study the
+    # simulator offline on real measurements.
+    trials = [t for t in result.trials if t.result.ok]
+    _save_sequences(os.path.join(args.workdir, "ranking_data.npz"),
+                    trials=([t.features for t in trials],
+                            [t.result.seconds_per_step for t in trials]),
+                    held_out=(features, measured))
 
     # Side by side: every builder and AutoStrategy's result, interleaved rounds.
     contenders = {name: cls().build(captured, spec) for name, cls in BUILDERS.items()}
@@ -125,6 +137,17 @@ def run_setting(args) -> dict:
             "times": times, "timed_steps": steps, "ranking": ranking, "best_source": next(
                 t.source for t in result.trials if t.strategy.id == result.best.id),
             "plot": os.path.join(args.workdir, "search", "search.png")}
+
+
+def _save_sequences(path: str, **named) -> None:
+    """Writes each name's (feature sequences, seconds) as concatenated rows, lengths and times."""
+    arrays = {}
+    for name, (sequences, seconds) in named.items():
+        arrays[f"{name}_rows"] = (np.concatenate(sequences) if sequences
+                                  else np.zeros((0, 0), np.float32))
+        arrays[f"{name}_lengths"] = np.array([len(s) for s in sequences], np.int64)
+        arrays[f"{name}_seconds"] = np.array(seconds, np.float64)
+    np.savez_compressed(path, **arrays)
 
 
 # --------------------------------------------------------------------------- driver
@@ -239,7 +262,7 @@ def main(argv=None) -> int:
                        "--repeats", str(args.repeats), "--warmup", str(args.warmup),
                        "--steps", str(args.steps), "--seed", str(args.seed),
                        "--min-timed-seconds", str(args.min_timed_seconds)]
-            print(f"[{name}] {setting['what']}", flush=True)
+            print(f"[{name}] {setting['what']}; work files in {workdir}", flush=True)
             done = subprocess.run(command, stdout=subprocess.PIPE, text=True)
             tagged = [line for line in done.stdout.splitlines() if line.startswith("AUTO_RESULT ")]
             if done.returncode != 0 or not tagged:
