@@ -22,7 +22,8 @@ Public API: :class:`RankingSimulator` (``score``, ``log_scores``, ``fit``,
 
 Scores are predicted seconds per iteration: ``exp(log_score)`` with
 
-    log_score = offset + prior_weight * log(prior + 1e-6) + correction(sequence)
+    log_score = offset + prior_weight * log(prior + 1e-6)
+                + correction_scale * correction(sequence)
 
 How it starts from the cost model. The prior (a callable giving the cost
 model's prediction for a sequence, or the values themselves passed as
@@ -37,6 +38,19 @@ residual, trials bend the prior where they disagree with it; ``prior_weight``
 under-states differences (for instance because it leaves out compute time),
 and the L2 penalty on the network's kernels pulls the correction back to zero,
 i.e. towards the prior, where trials say nothing.
+
+How much to trust. A correction learned from a few dozen trials can rank
+strategies it never saw worse than the cost model alone: in the benchmark
+searches of ``docs/benchmarks.md``, the simulator's scores given before each
+trial ranked the trials worse than the cost model's did on all three settings.
+So, with a prior, every fit also cross-validates: the trials are split into
+``validation_folds`` folds, a model is trained from the initial weights on all
+folds but one and scores the one it did not see, and the share of the
+correction the scores keep (``correction_scale``, one of
+``CORRECTION_SCALES``: 0 is the cost model's ranking, 1 the whole correction)
+is the one whose held-out pairs come out in the measured order most often,
+each pair weighted by how sure its order is (``|2P - 1|``, so measurement
+noise decides little). That costs ``validation_folds`` extra trainings per fit.
 
 The network (``ranking_net.py`` explains its design). A dense encoder per
 variable feeds a GRU over blocks of consecutive variables and, beside it, a
@@ -89,6 +103,18 @@ Prior = Callable[[np.ndarray], float]
 
 _PRIOR_FLOOR = 1e-6  # seconds; keeps log() finite for a strategy the prior calls free
 _SCORE_BATCH = 256
+CORRECTION_SCALES = (0.0, 0.25, 0.5, 0.75, 1.0)
+"""The shares of the learned correction that cross-validation chooses among."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Training:
+    """How one fit trains (its arguments, for every model it trains)."""
+
+    epochs: int
+    learning_rate: float
+    batch_size: int
+    hyper: List[np.float32]  # anchor weight, temperature, l2, rnn_l2: _train_step's scalars
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +194,7 @@ class RankingSimulator:
         self.prior = prior
         self.normalization: Optional[Normalization] = None
         self.trained = False
+        self.correction_scale = 1.0
         self._fits = 0
         _run_eagerly(self._build)
 
@@ -182,16 +209,27 @@ class RankingSimulator:
         # Build every weight now: variables created during a tf.function trace
         # would tie them to that trace.
         self._net(tf.zeros([1, 1, f]), tf.ones([1, 1], tf.bool), tf.zeros([1]),
-                  tf.constant(1), tf.constant(1.0))
+                  tf.constant(1), tf.constant(1.0), tf.constant(1.0))
         self._optimizer = keras.optimizers.Adam(learning_rate=3e-3, name="ranking_adam")
         self._optimizer.build(self._net.trainable_variables)
+        # Cross-validation trains fold models from here (see _validate_correction).
+        self._initial_state = self._snapshot()
         spec = [tf.TensorSpec([None, None, f], tf.float32), tf.TensorSpec([None, None], tf.bool),
                 tf.TensorSpec([None], tf.float32), tf.TensorSpec([], tf.int32),
                 tf.TensorSpec([], tf.float32)]
-        self._score_fn = tf.function(self._net.call, input_signature=spec)
+        self._score_fn = tf.function(self._net.call,
+                                     input_signature=spec + [tf.TensorSpec([], tf.float32)])
         self._train_fn = tf.function(self._train_step, input_signature=spec + [
             tf.TensorSpec([None], tf.float32), tf.TensorSpec([None, None], tf.float32),
             tf.TensorSpec([None, None], tf.float32)] + [tf.TensorSpec([], tf.float32)] * 4)
+
+    def _snapshot(self) -> List[np.ndarray]:
+        """The network's weights and the optimizer's state, as arrays."""
+        return [np.array(v.numpy()) for v in self._net.weights + self._optimizer.variables]
+
+    def _restore(self, snapshot: List[np.ndarray]) -> None:
+        for variable, value in zip(self._net.weights + self._optimizer.variables, snapshot):
+            variable.assign(value)
 
     # ----------------------------------------------------------------- inputs
 
@@ -280,7 +318,8 @@ class RankingSimulator:
             return np.zeros(0)
         return _run_eagerly(self._log_scores, checked, log_prior)
 
-    def _log_scores(self, sequences: List[np.ndarray], log_prior: np.ndarray) -> np.ndarray:
+    def _log_scores(self, sequences: List[np.ndarray], log_prior: np.ndarray,
+                    correction_scale: Optional[float] = None) -> np.ndarray:
         weight, offset = float(self._net.prior_weight.numpy()), float(self._net.offset.numpy())
         if not self.trained:
             # The head starts at zero, so the network's correction is exactly 0.
@@ -289,11 +328,13 @@ class RankingSimulator:
         # Sorting by length makes each padded batch nearly rectangular.
         order = np.argsort([len(seq) for seq in sequences], kind="stable")
         norm = self.normalization
+        scale = np.float32(self.correction_scale if correction_scale is None else correction_scale)
         for start in range(0, len(order), _SCORE_BATCH):
             idx = order[start:start + _SCORE_BATCH]
             x, mask = self._pad([sequences[i] for i in idx])
             out[idx] = self._score_fn(x, mask, log_prior[idx].astype(np.float32),
-                                      np.int32(norm.stride), np.float32(norm.sum_scale)).numpy()
+                                      np.int32(norm.stride), np.float32(norm.sum_scale),
+                                      scale).numpy()
         return out
 
     def score(self, sequences: Sequence[np.ndarray],
@@ -320,7 +361,7 @@ class RankingSimulator:
                     pair_target, anchor_weight, temperature, l2, rnn_l2):
         variables = self._net.trainable_variables
         with tf.GradientTape() as tape:
-            s = self._net(x, mask, log_prior, stride, sum_scale, training=True)
+            s = self._net(x, mask, log_prior, stride, sum_scale, tf.constant(1.0), training=True)
             # margin[i, j] = s_j - s_i; pair_target[i, j] is how likely t_i < t_j.
             margin = (s[None, :] - s[:, None]) / temperature
             pair_loss = (pair_target * tf.nn.softplus(-margin)
@@ -338,11 +379,14 @@ class RankingSimulator:
     def fit(self, sequences: Sequence[np.ndarray], measured_times: Sequence[float], *,
             prior_values: Optional[Sequence[float]] = None, epochs: int = 300,
             learning_rate: float = 3e-3, temperature: float = 0.1, anchor_weight: float = 0.1,
-            l2: float = 1e-2, rnn_l2: float = 1e-1, batch_size: int = 64) -> Dict[str, Any]:
+            l2: float = 1e-2, rnn_l2: float = 1e-1, batch_size: int = 64,
+            validation_folds: int = 3) -> Dict[str, Any]:
         """Trains on measured trials with the pairwise ranking loss; see the module docstring.
 
         Training continues from the current weights (and Adam state), so call
-        it with all trials so far each time new ones come in.
+        it with all trials so far each time new ones come in. With a prior,
+        ``validation_folds`` fold models then decide how much of the learned
+        correction the scores keep (module docstring, "How much to trust").
 
         Args:
             sequences: feature arrays of the measured strategies.
@@ -357,11 +401,17 @@ class RankingSimulator:
             l2: L2 penalty on the pooled branch's kernels (pulls towards the prior).
             rnn_l2: L2 penalty on the recurrent branch's kernels.
             batch_size: trials per step; more trials are split into shuffled batches.
+            validation_folds: folds of the cross-validation that picks the
+                correction scale; 0 keeps the whole correction. Needs a prior
+                and two trials per fold, else the whole correction is kept.
 
         Returns:
             dict: ``epochs``, ``seconds`` (wall time), ``loss`` (mean loss per
             epoch, list), ``pairwise_accuracy`` and ``kendall_tau`` on the
-            training trials after training.
+            training trials after training, ``correction_scale`` (the share of
+            the correction kept) and ``validation_accuracy`` (correction scale
+            -> the fold models' weighted pairwise accuracy on their held-out
+            trials; empty without cross-validation).
 
         Raises:
             ValueError: malformed inputs, or no two trials with different times.
@@ -376,6 +426,9 @@ class RankingSimulator:
         if epochs < 1 or batch_size < 2 or temperature <= 0:
             raise ValueError(f"Need epochs >= 1, batch_size >= 2 and temperature > 0; got "
                              f"{epochs}, {batch_size} and {temperature}.")
+        if validation_folds < 0 or validation_folds == 1:
+            raise ValueError(f"validation_folds must be 0 (off) or at least 2, got "
+                             f"{validation_folds}.")
         log_time = np.log(times)
         if np.ptp(log_time) == 0:
             raise ValueError(f"fit needs two trials with different measured times; got "
@@ -385,45 +438,100 @@ class RankingSimulator:
         # instead of being forced apart.
         gap = log_time[None, :] - log_time[:, None]
         target = 0.5 * (1.0 + np.tanh(0.5 * gap / temperature))  # sigmoid, overflow-free
-        pairs = np.triu(np.ones_like(gap, bool), 1)
         log_prior = self._log_priors(checked, prior_values)
         if self.normalization is None:
             self.fit_normalization(checked)
-        hyper = [np.float32(v) for v in (anchor_weight, temperature, l2, rnn_l2)]
-        return _run_eagerly(self._fit, checked, log_prior, log_time, pairs, target, epochs,
-                            learning_rate, hyper, batch_size)
+        if not self.config.use_prior or len(checked) < 2 * validation_folds:
+            validation_folds = 0
+        training = _Training(epochs, learning_rate, batch_size,
+                             [np.float32(v) for v in (anchor_weight, temperature, l2, rnn_l2)])
+        return _run_eagerly(self._fit, checked, log_prior, log_time, target, training,
+                            validation_folds)
 
-    def _fit(self, sequences, log_prior, log_time, pairs, target, epochs, learning_rate, hyper,
-             batch_size) -> Dict[str, Any]:
+    def _fit(self, sequences: List[np.ndarray], log_prior: np.ndarray, log_time: np.ndarray,
+             target: np.ndarray, training: "_Training", folds: int) -> Dict[str, Any]:
         started = time.perf_counter()
-        # Start calibrated: shifting every score by one constant keeps the ranking.
-        shift = np.mean(log_time - self._log_scores(sequences, log_prior))
-        self._net.offset.assign_add(float(shift))
         self.trained = True
-        self._optimizer.learning_rate.assign(learning_rate)
-        x, mask = self._pad(sequences)
-        norm = self.normalization
         rng = np.random.default_rng([self.config.seed, self._fits])
         self._fits += 1
+        accuracy = (self._validate_correction(sequences, log_prior, log_time, target, training,
+                                              folds, rng) if folds else {})
+        losses = self._train(sequences, log_prior, log_time, target, training, rng)
+        # The best scale on the held-out folds; a tie keeps less of the correction.
+        self.correction_scale = max(accuracy, key=lambda scale: (accuracy[scale], -scale),
+                                    default=1.0)
+        self._calibrate(sequences, log_prior, log_time, self.correction_scale)
+        fitted = self._log_scores(sequences, log_prior)
+        times = np.exp(log_time)
+        return {"epochs": training.epochs, "seconds": time.perf_counter() - started,
+                "loss": losses, "pairwise_accuracy": pairwise_accuracy(fitted, times),
+                "kendall_tau": kendall_tau(fitted, times),
+                "correction_scale": self.correction_scale, "validation_accuracy": accuracy}
+
+    def _calibrate(self, sequences: List[np.ndarray], log_prior: np.ndarray,
+                   log_time: np.ndarray, correction_scale: float) -> None:
+        """Shifts every score by one constant (the ranking stays) to match mean log-time."""
+        shift = np.mean(log_time - self._log_scores(sequences, log_prior, correction_scale))
+        self._net.offset.assign_add(float(shift))
+
+    def _train(self, sequences: List[np.ndarray], log_prior: np.ndarray, log_time: np.ndarray,
+               target: np.ndarray, training: "_Training", rng: np.random.Generator
+               ) -> List[float]:
+        """Trains from the current weights on these trials; returns the mean loss per epoch."""
+        self._calibrate(sequences, log_prior, log_time, 1.0)  # training runs the whole correction
+        self._optimizer.learning_rate.assign(training.learning_rate)
+        x, mask = self._pad(sequences)
+        norm = self.normalization
         n = len(sequences)
+        pairs = np.triu(np.ones((n, n), np.float32), 1)
         consts = [np.int32(norm.stride), np.float32(norm.sum_scale)]
         losses = []
-        for _ in range(epochs):
-            order = rng.permutation(n) if n > batch_size else np.arange(n)
+        for _ in range(training.epochs):
+            order = rng.permutation(n) if n > training.batch_size else np.arange(n)
             epoch_loss = []
-            for start in range(0, n, batch_size):
-                idx = order[start:start + batch_size]
+            for start in range(0, n, training.batch_size):
+                idx = order[start:start + training.batch_size]
                 sub = np.ix_(idx, idx)
                 epoch_loss.append(float(self._train_fn(
                     x[idx], mask[idx], log_prior[idx].astype(np.float32), *consts,
-                    log_time[idx].astype(np.float32), pairs[sub].astype(np.float32),
-                    target[sub].astype(np.float32), *hyper)))
+                    log_time[idx].astype(np.float32), pairs[sub],
+                    target[sub].astype(np.float32), *training.hyper)))
             losses.append(float(np.mean(epoch_loss)))
-        fitted = self._log_scores(sequences, log_prior)
-        times = np.exp(log_time)
-        return {"epochs": epochs, "seconds": time.perf_counter() - started, "loss": losses,
-                "pairwise_accuracy": pairwise_accuracy(fitted, times),
-                "kendall_tau": kendall_tau(fitted, times)}
+        return losses
+
+    def _validate_correction(self, sequences: List[np.ndarray], log_prior: np.ndarray,
+                             log_time: np.ndarray, target: np.ndarray, training: "_Training",
+                             folds: int, rng: np.random.Generator) -> Dict[float, float]:
+        """Correction scale -> weighted pairwise accuracy of fold models on their held-out trials.
+
+        Each fold model trains from the initial weights on the other folds; the
+        weights and optimizer state are restored afterwards.
+        """
+        current = self._snapshot()
+        n = len(sequences)
+        fold = rng.permutation(n) % folds
+        base, correction = np.zeros(n), np.zeros(n)
+        for k in range(folds):
+            train, held = np.flatnonzero(fold != k), np.flatnonzero(fold == k)
+            self._restore(self._initial_state)
+            self._train([sequences[i] for i in train], log_prior[train], log_time[train],
+                        target[np.ix_(train, train)], training, rng)
+            held_out = [sequences[i] for i in held]
+            base[held] = self._log_scores(held_out, log_prior[held], 0.0)
+            correction[held] = self._log_scores(held_out, log_prior[held], 1.0) - base[held]
+        self._restore(current)
+        # Pairs within a fold, weighted by how sure their order is (near-ties are noise).
+        weight = np.triu(fold[:, None] == fold[None, :], 1) * np.abs(2.0 * target - 1.0)
+        if not weight.sum():
+            return {}
+        measured_order = np.sign(log_time[None, :] - log_time[:, None])
+        accuracy = {}
+        for scale in CORRECTION_SCALES:
+            score = base + scale * correction
+            agree = np.sign(score[None, :] - score[:, None]) * measured_order
+            accuracy[scale] = float(np.sum(weight * ((agree > 0) + 0.5 * (agree == 0)))
+                                    / weight.sum())
+        return accuracy
 
     # ------------------------------------------------------------ persistence
 
@@ -435,6 +543,7 @@ class RankingSimulator:
         """
         norm = self.normalization
         state = {"trained": self.trained, "fits": self._fits,
+                 "correction_scale": self.correction_scale,
                  "config": dataclasses.asdict(self.config),
                  "normalization": None if norm is None else norm.to_json()}
         arrays = _run_eagerly(lambda: {f"weight_{i:03d}": np.asarray(w.numpy())
@@ -479,6 +588,7 @@ class RankingSimulator:
                 raise ValueError("it holds a different number of weights than the network has")
             _run_eagerly(sim._assign, weights)
             sim.trained, sim._fits = bool(state["trained"]), int(state["fits"])
+            sim.correction_scale = float(state.get("correction_scale", 1.0))
         except Exception as err:
             raise SimulatorStateError(
                 f"The RankingSimulator state in {path!r} does not fit its declared "

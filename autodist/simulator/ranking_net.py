@@ -158,13 +158,14 @@ def _log_columns(rows: np.ndarray, columns: Sequence[int]) -> np.ndarray:
 class ScoreNet(keras.Model):
     """Log-score of padded feature batches: prior term plus a learned correction.
 
-    ``call(features [B, T, 2F], mask [B, T] bool, log_prior [B], stride, sum_scale)``
-    returns ``[B]``, with ``T`` a multiple of ``stride`` and ``features`` from
-    :meth:`Normalization.apply`. A dense encoder feeds two branches: a GRU
-    over blocks of ``stride`` variables (mean-pooled per block) whose last
-    state and mean output go to a linear head, and the masked sum of the
-    encodings, divided by ``sum_scale``, through a dense head. Both heads
-    start at zero, so an untrained net returns ``offset + prior_weight * log_prior``.
+    ``call(features [B, T, 2F], mask [B, T] bool, log_prior [B], stride, sum_scale,
+    correction_scale)`` returns ``[B]``, with ``T`` a multiple of ``stride`` and
+    ``features`` from :meth:`Normalization.apply`. A dense encoder feeds two
+    branches: a GRU over blocks of ``stride`` variables (mean-pooled per block)
+    whose last state and mean output go to a linear head, and the masked sum of
+    the encodings, divided by ``sum_scale``, through a dense head. The heads'
+    sum, times ``correction_scale``, is the correction. Both heads start at
+    zero, so an untrained net returns ``offset + prior_weight * log_prior``.
 
     Args:
         units: width of the encoder, GRU and head.
@@ -206,7 +207,7 @@ class ScoreNet(keras.Model):
         return ([self.encoder.kernel, self.hidden.kernel, self.head.kernel],
                 rnn + [self.rnn_head.kernel])
 
-    def call(self, features, mask, log_prior, stride, sum_scale):
+    def call(self, features, mask, log_prior, stride, sum_scale, correction_scale):
         """See the class docstring."""
         valid = tf.cast(mask, features.dtype)[..., None]
         encoded = self.encoder(features) * valid  # padding contributes nothing
@@ -221,4 +222,4 @@ class ScoreNet(keras.Model):
         total = tf.reduce_sum(encoded, axis=1) / sum_scale
         correction = (self.head(self.hidden(total))[:, 0]
                       + self.rnn_head(tf.concat([last, mean_output], axis=-1))[:, 0])
-        return self.offset + self.prior_weight * log_prior + correction
+        return self.offset + self.prior_weight * log_prior + correction_scale * correction
