@@ -1,4 +1,6 @@
 """The PS synchronizer on a cluster: where a node's gradients are summed, when proxies refresh."""
+import dataclasses
+
 import pytest
 import tensorflow as tf
 
@@ -52,14 +54,18 @@ SPEC = {"nodes": [{"address": "10.0.0.1", "cpus": [0], "chief": True},
                   {"address": "10.0.0.2", "cpus": [0, 1]}]}
 
 
-def _transformed(ctx: KernelContext, staleness: int = 0) -> tuple:
-    """(this node's graph, the strategy) of the dense MLP, every variable behind proxies."""
+def _transformed(ctx: KernelContext, staleness: int = 0, all_reduced: tuple = ()) -> tuple:
+    """(this node's graph, the strategy) of the dense MLP, every variable behind proxies
+    but those in ``all_reduced``."""
     calls = []
     with tf.Graph().as_default() as graph, _tf_compat.capture_apply_gradients(calls.append):
         models.dense_mlp(lambda: tf.compat.v1.train.GradientDescentOptimizer(0.1))
     item = GraphItem(graph, calls[0])
     spec = ResourceSpec.from_dict(SPEC)
     strategy = PSLoadBalancing(local_proxy_variable=True, staleness=staleness).build(item, spec)
+    for index, node in enumerate(strategy.node_config):
+        if node.var_name in all_reduced:
+            strategy.node_config[index].CopyFrom(common.ar_node_config(node.var_name, 0))
     return transform(item, compile_strategy(strategy, item, spec), ctx).graph, strategy
 
 
@@ -117,6 +123,21 @@ def test_the_chief_refreshes_each_proxy_after_its_own_update_only():
                 and updates[name] in _ancestors(op)
                 and _shared_name(op.inputs[0].op).startswith("autodist_updated_")]
         assert [_shared_name(op.inputs[0].op) for op in told] == [f"autodist_updated_{name}_1"]
+
+
+def test_in_a_split_step_each_update_waits_for_its_own_gradients_only():
+    # PS and AllReduce on a cluster split the step; the PS run's updates must not
+    # wait for every push, or no proxy refresh could overlap a push.
+    graph, _ = _transformed(dataclasses.replace(CHIEF_CONTEXT, has_all_reduce=True),
+                            all_reduced=("b1",))
+    updates = {op.inputs[0].op.name: op for op in graph.get_operations()
+               if op.type == "ResourceApplyGradientDescent"}
+    pushes = {op.inputs[0].op.name.split("/")[0]: op for op in graph.get_operations()
+              if op.type == "ResourceAccumulatorApplyGradient"}
+    assert sorted(pushes) == ["w1", "w2"]
+    for name in ("w1", "w2"):
+        assert {n for n, push in pushes.items() if push in _ancestors(updates[name])} == {name}
+    assert sorted(_refreshes(graph)) == ["w1", "w2"]
 
 
 def test_with_staleness_the_chief_prefills_each_parts_queue():

@@ -334,10 +334,9 @@ def _apply_updates(item: GraphItem, sync: _Synchronized, shared_variables: dict,
         return _end_step(steps, sync, ctx, updated, "autodist_train_op"), None
     local = [apply(sync.ar_updates, counts_step)] if sync.ar_updates else []
     first = tf.group(*sync.stashed, *sync.collectives, *local, name="autodist_train_op")
-    steps = list(sync.sent)
-    if sync.ps_updates:
-        with tf.control_dependencies(sync.sent):
-            steps.append(apply(sync.ps_updates, False))
+    # Each part's update waits for its own accumulated gradient only, so that its
+    # proxies' refresh overlaps the pushes of the parts still arriving.
+    steps = list(sync.sent) + ([apply(sync.ps_updates, False)] if sync.ps_updates else [])
     return first, _end_step(steps, sync, ctx, updated, "autodist_ps_step")
 
 
