@@ -16,7 +16,7 @@ Usage::
 
 Public API: :class:`RankingSimulator` (``score``, ``log_scores``, ``fit``,
 ``fit_normalization``, ``save``, ``load``), :class:`RankingConfig`,
-:class:`SimulatorStateError`; the rank measures and the fidelity level
+:class:`SimulatorStateError`, ``CORRECTION_SCALES``; the rank measures and the fidelity level
 (``pairwise_accuracy``, ``kendall_tau``, ``fidelity_threshold``) are in
 ``fidelity.py``.
 
@@ -97,7 +97,7 @@ from autodist.simulator.fidelity import kendall_tau, pairwise_accuracy
 from autodist.simulator.ranking_net import Normalization, ScoreNet
 from autodist.simulator.ranking_state import SimulatorStateError, read_state, write_state
 
-__all__ = ["RankingConfig", "RankingSimulator", "SimulatorStateError"]
+__all__ = ["CORRECTION_SCALES", "RankingConfig", "RankingSimulator", "SimulatorStateError"]
 
 Prior = Callable[[np.ndarray], float]
 
@@ -449,7 +449,7 @@ class RankingSimulator:
                             validation_folds)
 
     def _fit(self, sequences: List[np.ndarray], log_prior: np.ndarray, log_time: np.ndarray,
-             target: np.ndarray, training: "_Training", folds: int) -> Dict[str, Any]:
+             target: np.ndarray, training: _Training, folds: int) -> Dict[str, Any]:
         started = time.perf_counter()
         self.trained = True
         rng = np.random.default_rng([self.config.seed, self._fits])
@@ -475,7 +475,7 @@ class RankingSimulator:
         self._net.offset.assign_add(float(shift))
 
     def _train(self, sequences: List[np.ndarray], log_prior: np.ndarray, log_time: np.ndarray,
-               target: np.ndarray, training: "_Training", rng: np.random.Generator
+               target: np.ndarray, training: _Training, rng: np.random.Generator
                ) -> List[float]:
         """Trains from the current weights on these trials; returns the mean loss per epoch."""
         self._calibrate(sequences, log_prior, log_time, 1.0)  # training runs the whole correction
@@ -500,7 +500,7 @@ class RankingSimulator:
         return losses
 
     def _validate_correction(self, sequences: List[np.ndarray], log_prior: np.ndarray,
-                             log_time: np.ndarray, target: np.ndarray, training: "_Training",
+                             log_time: np.ndarray, target: np.ndarray, training: _Training,
                              folds: int, rng: np.random.Generator) -> Dict[float, float]:
         """Correction scale -> weighted pairwise accuracy of fold models on their held-out trials.
 
