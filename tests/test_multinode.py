@@ -239,7 +239,10 @@ def _signal_chief_while_training(cluster, spec, tmp_path, builder, signum) -> in
                 seen.add(match.group(1))
         assert seen == {"0", "1"}
         chief.send_signal(signum)
-        return chief.wait(timeout=60)
+        # Keep reading: every node's steps print here, and a pipe left full would
+        # block the chief's last writes, not its shutdown.
+        chief.communicate(timeout=60)
+        return chief.returncode
     finally:
         if chief.poll() is None:
             chief.kill()
