@@ -209,7 +209,7 @@ def _section(results: list) -> str:
             lines.append(f"Ranking of {ranking['held_out']} held-out strategies, Kendall tau: "
                          f"cost model alone {ranking['tau_cost_model']:.2f}, trained simulator "
                          f"{ranking['tau_trained']:.2f} (goal >= 0.7).")
-        if "measured_s" in ranking:  # kept since the held-out times are
+        if "measured_s" in ranking:  # results from before it kept the taus only
             cost, pairs = _tau_beyond(ranking["cost_model_s"], ranking["measured_s"], NOISE_GAP)
             trained, _ = _tau_beyond(ranking["trained_s"], ranking["measured_s"], NOISE_GAP)
             total = ranking["held_out"] * (ranking["held_out"] - 1) // 2

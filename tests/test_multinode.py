@@ -240,7 +240,7 @@ def _signal_chief_while_training(cluster, spec, tmp_path, builder, signum) -> in
         assert seen == {"0", "1"}
         chief.send_signal(signum)
         # Keep reading: every node's steps print here, and a pipe left full would
-        # block the chief's last writes, not its shutdown.
+        # block the chief's last writes, and so its exit.
         chief.communicate(timeout=60)
         return chief.returncode
     finally:
