@@ -226,10 +226,17 @@ def test_a_node_that_cannot_be_started_is_named(two_nodes, tmp_path):
 def _signal_chief_while_training(cluster, spec, tmp_path, builder, signum) -> int:
     """Starts a long job, waits until both nodes train, signals the chief; its exit code."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    chief = subprocess.Popen([*cluster.hosts[0].launch_prefix, sys.executable, "-u", JOB, spec,
-                              builder, str(tmp_path / "v.npz"), "--steps", "100000"],
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                             env=env)
+    # A process started in the background by a non-interactive shell ignores SIGINT,
+    # and its children inherit that (Python then raises no KeyboardInterrupt); a
+    # handler here instead becomes the default one in the chief.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        chief = subprocess.Popen([*cluster.hosts[0].launch_prefix, sys.executable, "-u", JOB,
+                                  spec, builder, str(tmp_path / "v.npz"), "--steps", "100000"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                 env=env)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         seen = set()
         deadline = time.monotonic() + 120
@@ -239,10 +246,7 @@ def _signal_chief_while_training(cluster, spec, tmp_path, builder, signum) -> in
                 seen.add(match.group(1))
         assert seen == {"0", "1"}
         chief.send_signal(signum)
-        # Keep reading: every node's steps print here, and a pipe left full would
-        # block the chief's last writes, and so its exit.
-        chief.communicate(timeout=60)
-        return chief.returncode
+        return chief.wait(timeout=60)
     finally:
         if chief.poll() is None:
             chief.kill()
