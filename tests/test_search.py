@@ -2,6 +2,7 @@
 import json
 import os
 import random
+import re
 
 import numpy as np
 import pytest
@@ -103,11 +104,20 @@ def test_auto_strategy_rejects_bad_settings():
         AutoStrategy(trials=-1)
     with pytest.raises(ValueError, match="steps must be an integer >= 1, got 0"):
         AutoStrategy(steps=0)
-    with pytest.raises(ValueError, match="min_timed_seconds must be a number >= 0, got -1"):
+    with pytest.raises(ValueError,
+                       match="min_timed_seconds must be a finite number of seconds >= 0, got -1"):
         AutoStrategy(min_timed_seconds=-1)
     # The settings check themselves, for the CLI and anything else that builds them.
     with pytest.raises(ValueError, match="per_round must be an integer >= 1, got 0"):
         SearchSettings(per_round=0)
+
+
+@pytest.mark.parametrize("timeout", [0, -5.0, float("nan"), float("inf"), True, "600"])
+def test_search_settings_refuse_a_trial_timeout_that_is_not_a_finite_positive_number(timeout):
+    with pytest.raises(ValueError, match=re.escape(
+            f"trial_timeout must be a finite number of seconds > 0, got {timeout!r}.")):
+        SearchSettings(trial_timeout=timeout)
+    assert SearchSettings(trial_timeout=0.5).trial_timeout == 0.5
 
 
 class StepRecorder:
@@ -172,8 +182,10 @@ def test_explain_names_a_missing_script(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("option, value, message", [
-    ("--min-timed-seconds", "-1", "min_timed_seconds must be a number >= 0, got -1.0."),
+    ("--min-timed-seconds", "-1", "min_timed_seconds must be a finite number of seconds >= 0, "
+                                  "got -1.0."),
     ("--steps", "0", "steps must be an integer >= 1, got 0."),
+    ("--trial-timeout", "0", "trial_timeout must be a finite number of seconds > 0, got 0.0."),
 ])
 def test_search_command_refuses_a_bad_setting_before_running_the_script(tmp_path, capsys, option,
                                                                         value, message):

@@ -68,6 +68,14 @@ def test_the_search_spec_overrides_the_scripts_own(spec_path_4cpu, tmp_path):
     assert result.ok, result.error
 
 
+@pytest.mark.parametrize("timeout", [0, -1.0, float("nan")])
+def test_a_runner_refuses_a_timeout_that_is_not_a_finite_positive_number(tmp_path, timeout):
+    # At 0 every run would be stopped at once and blamed on the script.
+    with pytest.raises(ValueError, match="timeout must be a finite number of seconds > 0"):
+        ScriptRunner([EXAMPLE], str(tmp_path / "work"), timeout=timeout)
+    assert not (tmp_path / "work").exists()
+
+
 HANGS_ON_SECOND_RUN = """
 import json, os, sys, time
 settings = json.loads(os.environ["AUTODIST_TRIAL"])

@@ -30,7 +30,7 @@ from autodist.strategy import BUILDERS
 from autodist.strategy.auto.sampler import SamplerConstraints
 from autodist.strategy.auto.search import (SearchResult, StrategySearch, plot, prior_seconds,
                                            write_log)
-from autodist.strategy.auto.trial import ScriptRunner
+from autodist.strategy.auto.trial import ScriptRunner, check_seconds
 from autodist.strategy.base import Strategy, StrategyBuilder
 
 
@@ -40,7 +40,8 @@ class SearchSettings:
 
     Raises:
         ValueError: naming the field and its value, when a count is below its
-            least or ``min_timed_seconds`` is not a number >= 0.
+            least, ``trial_timeout`` is not a finite number > 0 or
+            ``min_timed_seconds`` not a finite number >= 0.
     """
 
     trials: int = 30
@@ -65,10 +66,8 @@ class SearchSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}.")
-        seconds = self.min_timed_seconds
-        if (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
-                or not 0 <= seconds < math.inf):
-            raise ValueError(f"min_timed_seconds must be a number >= 0, got {seconds!r}.")
+        check_seconds("trial_timeout", self.trial_timeout)
+        check_seconds("min_timed_seconds", self.min_timed_seconds, zero_ok=True)
 
     def constraints(self) -> SamplerConstraints:
         return SamplerConstraints(allow_fp16=self.allow_lossy,
@@ -101,8 +100,8 @@ class AutoStrategy(StrategyBuilder):
             The script must then train that many steps; 0 times ``steps`` only.
 
     Raises:
-        ValueError: from :class:`SearchSettings`, for a count below its least or
-            a negative ``min_timed_seconds``.
+        ValueError: from :class:`SearchSettings`, for a count below its least,
+            a ``trial_timeout`` that is not > 0 or a negative ``min_timed_seconds``.
 
     Note:
         The script must train at least ``warmup + steps`` steps, fetching the

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import signal
 import subprocess
@@ -38,6 +39,18 @@ PORTS_FREE_TIMEOUT_S = 60.0
 # Once a trial has succeeded, a run this many times slower than the slowest
 # success (and slower than the floor) is taken for a hang and stopped.
 HANG_FACTOR, HANG_FLOOR_S = 5.0, 120.0
+
+
+def check_seconds(name: str, value: float, zero_ok: bool = False) -> None:
+    """Refuses a duration that is not a finite number of seconds > 0 (>= 0 with ``zero_ok``).
+
+    Raises:
+        ValueError: naming ``name`` and ``value``; a bool is not a number here.
+    """
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (number and (0 <= value if zero_ok else 0 < value) and value < math.inf):
+        raise ValueError(f"{name} must be a finite number of seconds {'>=' if zero_ok else '>'} 0, "
+                         f"got {value!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,10 +151,15 @@ class ScriptRunner:
         spec_path: the resource spec the script must use (overrides its own).
         timeout: seconds a single run may take; after a successful trial, at most
             ``HANG_FACTOR`` times the slowest success (but ``HANG_FLOOR_S`` or more).
+
+    Raises:
+        ValueError: when ``timeout`` is not a finite number > 0 (at 0 every run
+            would be stopped at once and reported as a failure of the script).
     """
 
     def __init__(self, argv: Sequence[str], workdir: str, spec_path: Optional[str] = None,
                  timeout: float = 600.0):
+        check_seconds("timeout", timeout)
         self._argv = list(argv)
         self._workdir = workdir
         self._spec_path = spec_path
