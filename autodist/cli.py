@@ -6,7 +6,7 @@ parsed arguments and returning an exit status) with ``set_defaults``. A handler
 reports a user-facing failure by raising ``ValueError``, ``RuntimeError`` or
 ``OSError``; ``main`` prints the message and exits with status 1. A handler may
 instead pass an option value out of range to its parser's ``error`` (``search``
-does), which exits with status 2 as for a value that does not parse.
+and ``explain`` do), which exits with status 2 as for a value that does not parse.
 
     autodist emulate up --nodes 2 --bandwidth 1gbit --out spec.yml
     autodist emulate down

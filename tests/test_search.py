@@ -181,22 +181,31 @@ def test_explain_names_a_missing_script(tmp_path, capsys):
     assert "nope.py' does not exist" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("option, value, message", [
-    ("--min-timed-seconds", "-1", "min_timed_seconds must be a finite number of seconds >= 0, "
-                                  "got -1.0."),
-    ("--steps", "0", "steps must be an integer >= 1, got 0."),
-    ("--trial-timeout", "0", "trial_timeout must be a finite number of seconds > 0, got 0.0."),
+@pytest.mark.parametrize("command, option, value, message", [
+    ("search", "--min-timed-seconds", "-1", "min_timed_seconds must be a finite number of seconds "
+                                            ">= 0, got -1.0."),
+    ("search", "--steps", "0", "steps must be an integer >= 1, got 0."),
+    ("search", "--trial-timeout", "0", "trial_timeout must be a finite number of seconds > 0, "
+                                       "got 0.0."),
+    ("explain", "--batch-size", "0", "batch_size must be an integer >= 1, got 0."),
+    ("explain", "--trial-timeout", "-1", "trial_timeout must be a finite number of seconds > 0, "
+                                         "got -1.0."),
+    ("explain", "--top", "-1", "top must be an integer >= 0, got -1."),
 ])
-def test_search_command_refuses_a_bad_setting_before_running_the_script(tmp_path, capsys, option,
-                                                                        value, message):
+def test_a_command_refuses_a_bad_option_before_running_the_script(tmp_path, capsys, command,
+                                                                  option, value, message):
     from autodist import cli
     script, ran, log_dir = tmp_path / "train.py", tmp_path / "ran", tmp_path / "log"
     script.write_text(f"open({str(ran)!r}, 'w').close()\n")
+    strategy = tmp_path / "s.strategy"
+    BUILDERS["PS"]().build(synthetic_graph(2), heterogeneous_cluster()).save(str(strategy))
+    where = {"search": [str(script), "--log-dir", str(log_dir)],
+             "explain": [str(strategy), "--script", str(script)]}[command]
     with pytest.raises(SystemExit) as exited:
-        cli.main(["search", str(script), option, value, "--log-dir", str(log_dir)])
+        cli.main([command, *where, option, value])
     assert exited.value.code == 2
     err = capsys.readouterr().err
-    assert err.splitlines()[-1] == f"autodist search: error: {message}"
+    assert err.splitlines()[-1] == f"autodist {command}: error: {message}"
     assert "Traceback" not in err
     assert not ran.exists() and not log_dir.exists()
 

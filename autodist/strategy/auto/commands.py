@@ -9,8 +9,10 @@ session). TensorFlow and the simulator load only when a command runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
+from typing import Iterator
 
 
 def _runner(args: argparse.Namespace, workdir: str):
@@ -21,21 +23,30 @@ def _runner(args: argparse.Namespace, workdir: str):
                         timeout=args.trial_timeout)
 
 
+@contextlib.contextmanager
+def _usage_errors(parser: argparse.ArgumentParser) -> Iterator[None]:
+    """Passes a ValueError of the block to ``parser.error``, which exits with status 2.
+
+    An option out of range is a usage error, like one that does not parse: refused
+    before the script is run to read its graph.
+    """
+    try:
+        yield
+    except ValueError as err:
+        parser.error(str(err))
+
+
 def _search(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from autodist.resource_spec import ResourceSpec
     from autodist.strategy.auto.builder import SearchSettings, search_strategy
 
-    try:
+    with _usage_errors(parser):
         settings = SearchSettings(trials=args.trials, candidates=args.candidates,
                                   per_round=args.per_round, batch_size=args.batch_size,
                                   allow_lossy=args.allow_lossy, with_builders=not args.no_builders,
                                   warmup=args.warmup, steps=args.steps,
                                   trial_timeout=args.trial_timeout, log_dir=args.log_dir,
                                   seed=args.seed, min_timed_seconds=args.min_timed_seconds)
-    except ValueError as err:
-        # An option out of range is a usage error, like one that does not parse: refused
-        # (status 2) before the script is run to read its graph.
-        parser.error(str(err))
     runner = _runner(args, os.path.join(args.log_dir, "trials"))
     print(f"Reading the graph of {args.script} ...", flush=True)
     captured = runner.capture()
@@ -58,13 +69,18 @@ def _search(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-def _explain(args: argparse.Namespace) -> int:
+def _explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from autodist.resource_spec import ResourceSpec
     from autodist.simulator import CostModel, format_breakdown
     from autodist.strategy import Strategy
+    from autodist.strategy.auto.builder import SearchSettings, check_count
     from autodist.strategy.compiler import compile_strategy
     import tempfile
 
+    with _usage_errors(parser):
+        # The options shared with search (see _common) are checked where search checks them.
+        SearchSettings(batch_size=args.batch_size, trial_timeout=args.trial_timeout)
+        check_count("top", args.top, 0)
     with tempfile.TemporaryDirectory() as workdir:
         runner = _runner(args, workdir)
         strategy = Strategy.load(args.strategy)
@@ -123,4 +139,4 @@ def add_explain_subcommand(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--script", required=True, help="the training script the strategy is for")
     parser.add_argument("--top", type=int, default=20, help="variables to list (default: 20)")
     _common(parser)
-    parser.set_defaults(func=_explain)
+    parser.set_defaults(func=functools.partial(_explain, parser=parser))
