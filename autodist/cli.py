@@ -5,8 +5,9 @@ parser to the top-level subparsers and sets ``func`` (the handler, taking the
 parsed arguments and returning an exit status) with ``set_defaults``. A handler
 reports a user-facing failure by raising ``ValueError``, ``RuntimeError`` or
 ``OSError``; ``main`` prints the message and exits with status 1. A handler may
-instead pass an option value out of range to its parser's ``error`` (``search``
-and ``explain`` do), which exits with status 2 as for a value that does not parse.
+instead pass an option value out of range to its parser's ``error`` (``search``,
+``explain`` and ``probe`` do), which exits with status 2 as for a value that does
+not parse.
 
     autodist emulate up --nodes 2 --bandwidth 1gbit --out spec.yml
     autodist emulate down

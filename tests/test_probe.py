@@ -121,6 +121,23 @@ def test_cli_reports_failures_on_one_line(tmp_path, capsys):
     assert open(source).read() == original
 
 
+@pytest.mark.parametrize("option, value, message", [
+    ("--seconds", "0", "seconds is 0.0, but it must be a number above 0 and at most 60.0."),
+    ("--pings", "1001", "pings is 1001, but it must be an integer from 1 to 1000."),
+    ("--timeout", "-1", "timeout is -1.0, but it must be a positive number of seconds."),
+])
+def test_cli_refuses_an_option_out_of_range_as_a_usage_error(tmp_path, capsys, option, value, message):
+    # A launch route that fails at once: the options are refused before any node is started.
+    source = _write(tmp_path / "spec.yml", {"nodes": [{"address": "localhost", "chief": True},
+                                                      {"address": "127.0.0.1", "launch_prefix": ["/nonexistent"]}]})
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["probe", source, option, value])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == f"autodist probe: error: {message}"
+    assert "Traceback" not in err
+
+
 # --- As root: an emulated cluster with tc-shaped links ---------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ naming the node (and the chief, when the chief could not reach it).
 import argparse
 import collections
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -106,17 +107,26 @@ def probe(spec: ResourceSpec, seconds: float = 1.5, pings: int = 20,
             not reach the other end.
         launcher.LaunchError: If a node has no route to start a program on.
     """
+    check_arguments(seconds, pings, timeout)
+    if len(spec.nodes) < 2:
+        raise ValueError(f"Resource spec {spec.source!r} has a single node, so there is no link to measure; "
+                         "probe a spec with at least two nodes.")
+    chief = spec.node(spec.chief)
+    return [_measure_link(spec, chief, node, seconds, pings, timeout) for node in spec.nodes if not node.chief]
+
+
+def check_arguments(seconds: float, pings: int, timeout: float) -> None:
+    """Checks the ranges of ``probe``'s arguments (see there), before anything is started.
+
+    Raises:
+        ValueError: Naming the first argument out of range and its value.
+    """
     if not (isinstance(seconds, (int, float)) and 0 < seconds <= MAX_SECONDS):
         raise ValueError(f"seconds is {seconds!r}, but it must be a number above 0 and at most {MAX_SECONDS}.")
     if not (isinstance(pings, int) and 1 <= pings <= MAX_PINGS):
         raise ValueError(f"pings is {pings!r}, but it must be an integer from 1 to {MAX_PINGS}.")
     if not (isinstance(timeout, (int, float)) and timeout > 0):
         raise ValueError(f"timeout is {timeout!r}, but it must be a positive number of seconds.")
-    if len(spec.nodes) < 2:
-        raise ValueError(f"Resource spec {spec.source!r} has a single node, so there is no link to measure; "
-                         "probe a spec with at least two nodes.")
-    chief = spec.node(spec.chief)
-    return [_measure_link(spec, chief, node, seconds, pings, timeout) for node in spec.nodes if not node.chief]
 
 
 def measured_spec(spec: ResourceSpec, measurements: Sequence[LinkMeasurement]) -> dict:
@@ -450,10 +460,15 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--timeout", type=float, default=30.0,
                         help="seconds to wait for a node's program to start or answer (default: 30)")
     parser.add_argument("--report", help="also write the measurements, latencies included, to this JSON file")
-    parser.set_defaults(func=_run)
+    parser.set_defaults(func=functools.partial(_run, parser=parser))
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        check_arguments(args.seconds, args.pings, args.timeout)
+    except ValueError as e:
+        # An option out of range is a usage error, like one that does not parse (status 2).
+        parser.error(str(e))
     spec = ResourceSpec(args.spec)
     measurements = probe(spec, args.seconds, args.pings, args.timeout)
     updated = measured_spec(spec, measurements)
