@@ -105,6 +105,23 @@ def test_merging_two_variables_into_one_group_removes_one_latency_term():
     assert apart - merged == pytest.approx(LATENCY)
 
 
+def test_a_group_mixing_dtypes_launches_one_collective_per_dtype():
+    # Two float32 variables and a float16 one in group 0: the kernel reduces each dtype in
+    # a buffer of its own, so two collectives; the ring moves the same bytes in all.
+    variables = [vec("a"), VariableInfo("h", (1_000_000,), "float16"), vec("b")]
+    nodes = [common.ar_node_config(v.name, 0) for v in variables]
+    got = breakdown(strategy_of(TWO_BY_TWO, *nodes), variables, TWO_BY_TWO)
+    ring = 2 * 3 / 4 * (MB4 + MB4 // 2 + MB4) * 8 / 1e9
+    assert got.features["collective_latency"] == 2
+    assert got.features["ring_all_reduce"] == pytest.approx(ring)
+    assert predict(strategy_of(TWO_BY_TWO, *nodes), variables, TWO_BY_TWO) == pytest.approx(
+        ring + 2 * LATENCY)
+    # A launch is shared evenly by the members of its dtype: a half each, the whole to h.
+    latency = {row.variable: row.seconds for row in got.rows
+               if row.component == "collective_latency"}
+    assert latency == pytest.approx({"a": LATENCY / 2, "h": LATENCY, "b": LATENCY / 2})
+
+
 def test_sparse_all_reduce_is_an_all_gather_of_the_touched_rows():
     emb = VariableInfo("emb", (1000, 64), "float32", sparse_grad=True)  # 256 B per row
     node = common.ar_node_config("emb", 0, compressor="HorovodCompressor")  # no effect on gathers

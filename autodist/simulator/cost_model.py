@@ -10,9 +10,10 @@ The prediction is a linear combination of a few named components, each a
   fp16 compressors put floating gradients on the wire as 2-byte values.
 * ``all_gather`` (seconds at nominal bandwidth): a sparse AllReduce part is
   all-gathered, ``(n - 1) * sparse bytes per replica / bandwidth``.
-* ``collective_latency`` (collectives launched per step): one per dense group
-  (the kernel launches one per dtype of a group; the sampler's groups hold one),
-  three per sparse AllReduce part (the kernel gathers counts, values, indices).
+* ``collective_latency`` (collectives launched per step): one per dtype of a
+  dense group (the kernel reduces each dtype in a buffer of its own; the
+  sampler's groups hold one), three per sparse AllReduce part (the kernel
+  gathers counts, values, indices).
 * ``ps_transfer`` (seconds at nominal bandwidth): PS gradients pushed and
   values pulled, accumulated per resource: each node's NIC inbound, its NIC
   outbound (full duplex: ``autodist emulate`` shapes both directions
@@ -231,9 +232,9 @@ class Charges(NamedTuple):
     """What :meth:`CostModel.charges` returns; features and charges are unweighted.
 
     The charges are columns, one entry per charge, in a fixed order, so that
-    sums over them round alike every time: all-gathered parts, then all-reduce
-    groups in launch order, then PS parts, then the serving nodes' and the
-    split step's shares.
+    sums over them round alike every time: all-gathered parts, then dense
+    all-reduce collectives in launch order, then PS parts, then the serving
+    nodes' and the split step's shares.
 
     Attributes:
         parts: the synchronized parts.
@@ -292,23 +293,26 @@ def _all_reduce_charges(parts: SyncParts, index: np.ndarray,
     sparse = index[parts.sparse[index]]
     gather = seconds((n - 1) * parts.grad_bytes[sparse], gbps)
     dense = index[~parts.sparse[index]]
-    _, first, group = np.unique(parts.group[dense], return_index=True, return_inverse=True)
-    group = np.argsort(np.argsort(first))[group]  # groups numbered in launch order
-    group_bytes = np.bincount(group, parts.wire_bytes[dense], minlength=len(first))
+    _, first, collective = np.unique(parts.collective()[dense], return_index=True,
+                                     return_inverse=True)
+    collective = np.argsort(np.argsort(first))[collective]  # numbered in launch order
+    # Each dtype's collective moves its own bytes; the ring time is linear in them,
+    # so it adds up per group as it would for one buffer.
+    collective_bytes = np.bincount(collective, parts.wire_bytes[dense], minlength=len(first))
     ring_factor = 2.0 * (n - 1) / n
-    features = {"ring_all_reduce": _in_order_sum(seconds(ring_factor * group_bytes, gbps)),
+    features = {"ring_all_reduce": _in_order_sum(seconds(ring_factor * collective_bytes, gbps)),
                 "all_gather": _in_order_sum(gather),
                 "collective_latency": float(_GATHERS_PER_SPARSE_PART * len(sparse) + len(first))}
-    order = np.argsort(group, kind="stable")
-    dense, group = dense[order], group[order]
-    members = np.bincount(group, minlength=len(first))
+    order = np.argsort(collective, kind="stable")
+    dense, collective = dense[order], collective[order]
+    members = np.bincount(collective, minlength=len(first))
     ring = seconds(ring_factor * parts.wire_bytes[dense], gbps)
     return features, [
         _interleave(sparse, ("all_gather", gather, True),
                     ("collective_latency", float(_GATHERS_PER_SPARSE_PART), True)),
-        # Group by group, as launched; a group's launch is shared evenly by its members.
+        # Collective by collective, as launched; a launch is shared evenly by its members.
         _interleave(dense, ("ring_all_reduce", ring, True),
-                    ("collective_latency", 1.0 / members[group], True))]
+                    ("collective_latency", 1.0 / members[collective], True))]
 
 
 def _ps_charges(parts: SyncParts, index: np.ndarray, cluster: ClusterView, split_step: bool

@@ -2,7 +2,7 @@
 
 A strategy becomes one row per trainable variable, in graph order: raw facts
 (bytes, sparsity, synchronizer, proxy, compressor, partitions, the bandwidth it
-meets, what it shares a server or a group with), what the cost model charges
+meets, what it shares a server or a collective with), what the cost model charges
 it per component, and the strategy's totals repeated on every row, so a row can
 be judged in its context.
 """
@@ -23,10 +23,11 @@ FEATURE_NAMES = (
     "log_total_ms", "total_ps_transfer_ms", "total_ring_ms")
 _FIRST_COMPONENT_COLUMN = FEATURE_NAMES.index(f"{COMPONENTS[0]}_ms")
 
-FEATURES_VERSION = 4
+FEATURES_VERSION = 5
 """Changes when a feature's meaning does (2: PS pushes and pulls add up as phases; 3: the
-serving-node and split-step components; 4: proxy refreshes overlap pushes), so that a
-simulator saved for the old features is not reused."""
+serving-node and split-step components; 4: proxy refreshes overlap pushes; 5: a collective
+per dtype of an all-reduce group), so that a simulator saved for the old features is not
+reused."""
 
 
 def strategy_features(strategy: Any, variables: Any, resource_spec: Any, *, batch_size: int,
@@ -75,11 +76,12 @@ def strategy_features(strategy: Any, variables: Any, resource_spec: Any, *, batc
                      for server in parts.servers] + [ring_gbps])[parts.server]
     table[:, 11] = np.inf
     np.minimum.at(table[:, 11], row, gbps)
-    # What a part shares its traffic with: its server, or its all-reduce group (one
-    # for all sparse parts), numbered after the servers.
-    _, group = np.unique(parts.group, return_inverse=True)
+    # What a part shares its traffic with: its server, or its all-reduce collective (a
+    # group's parts of one dtype; one for all sparse parts), numbered after the servers.
+    _, collective = np.unique(parts.collective(), return_inverse=True)
     num_servers = len(parts.servers)
-    key = np.where(ps, parts.server, np.where(parts.sparse, num_servers, num_servers + 1 + group))
+    key = np.where(ps, parts.server,
+                   np.where(parts.sparse, num_servers, num_servers + 1 + collective))
     np.maximum.at(table[:, 12], row, np.bincount(key, parts.wire_bytes)[key])
     np.maximum.at(table[:, 13], row, np.bincount(key)[key])
     # Charges summed per cell in charge order (bincount adds in input order, as a loop would).

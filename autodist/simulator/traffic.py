@@ -172,6 +172,7 @@ class SyncParts:
         aggregate: PS: nodes sum their replicas' gradients (a transfer_destination).
         compressor: all-reduce: the Compressor enum value; 0 for PS.
         group: all-reduce: the group; 0 for PS.
+        dtype: its variable's dtype, numbered (parts of one dtype share the number).
     """
 
     variables: List[str]
@@ -190,6 +191,14 @@ class SyncParts:
     aggregate: np.ndarray
     compressor: np.ndarray
     group: np.ndarray
+    dtype: np.ndarray
+
+    def collective(self) -> np.ndarray:
+        """All-reduce: the dense collective of each part, as a number per (group, dtype) pair.
+
+        The kernel gives each dtype of a group a buffer, and so a collective, of its own.
+        """
+        return self.group * (self.dtype.max(initial=0) + 1) + self.dtype
 
 
 def _part_bytes(shape: tuple, dtype: str, sparse: bool, axis: int, part_shape: tuple,
@@ -231,6 +240,7 @@ def _columns(infos: List[Any], names: List[str], records: List[tuple],
     row = table[:, 0].astype(np.intp)
     flags = np.array([(info.has_grad, info.sparse_grad) for info in infos],
                      dtype=bool).reshape(len(infos), 2)[row]
+    _, dtype = np.unique([info.dtype for info in infos], return_inverse=True)
     servers = list(dict.fromkeys(map(node_of, devices)))  # a node's devices share its NIC
     # Device -1 (all-reduce parts) picks the appended -1.
     server = np.array([servers.index(node_of(device)) for device in devices] + [-1],
@@ -238,7 +248,7 @@ def _columns(infos: List[Any], names: List[str], records: List[tuple],
     return SyncParts([info.name for info in infos], names, row, table[:, 4] != 0,
                      flags[:, 0], flags[:, 1], table[:, 1], table[:, 2], table[:, 3], servers,
                      server, table[:, 6] != 0, table[:, 7].astype(np.int64), table[:, 8] != 0,
-                     table[:, 9].astype(np.int64), table[:, 10].astype(np.int64))
+                     table[:, 9].astype(np.int64), table[:, 10].astype(np.int64), dtype[row])
 
 
 def sync_parts(strategy: Any, variables, batch_size: int,
