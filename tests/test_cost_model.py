@@ -1,4 +1,5 @@
 """The predefined cost model on hand-computed cases, and its explanation."""
+import dataclasses
 import subprocess
 import sys
 import types
@@ -20,7 +21,10 @@ LATENCY = CostWeights().collective_latency
 OVERHEAD = CostWeights().ps_part_overhead
 SERVING = CostWeights().ps_serving_nodes
 SPLIT = CostWeights().split_step
-MODEL = CostModel()
+UPDATE = CostWeights().optimizer_update  # seconds per GB updated on the busiest node
+# The hand-computed totals below are of the transfer and count components; the
+# optimizer update, which every multi-node case would add, has a test of its own.
+MODEL = CostModel(dataclasses.replace(CostWeights(), optimizer_update=0.0))
 
 
 def spec(*nodes):
@@ -323,6 +327,35 @@ def test_a_split_step_costs_once_when_a_cluster_mixes_ps_and_all_reduce():
     assert split(spec((A, 2, None)), "ps", "ar", "ps").features["split_step"] == 0  # one run
 
 
+def test_the_busiest_node_pays_for_the_updates_it_runs():
+    variables = [vec("v"), vec("w"), vec("x", 10), vec("frozen", has_grad=False)]
+
+    def updates(resource_spec, *placements):
+        configs = [common.ar_node_config(var.name, 0) if where == "ar"
+                   else common.ps_node_config(var.name, f"{where}:CPU:0")
+                   for var, where in zip(variables, placements)]
+        return CostModel().breakdown(strategy_of(resource_spec, *configs), variables,
+                                     resource_spec, batch_size=10)
+
+    # Every node updates its copy of each all-reduced variable: nothing to spread.
+    all_reduced = updates(TWO_BY_TWO, "ar", "ar", "ar", "ar")
+    assert all_reduced.features["optimizer_update"] == pytest.approx((2 * MB4 + 40) / 1e9)
+    assert all_reduced.totals["optimizer_update"] == pytest.approx(UPDATE * (2 * MB4 + 40) / 1e9)
+    # Servers on two nodes halve it; on one node they do not; a frozen variable costs nothing.
+    spread = updates(TWO_BY_TWO, A, B, A, B)
+    assert spread.features["optimizer_update"] == pytest.approx((MB4 + 40) / 1e9)
+    shares = {r.variable: r.seconds for r in spread.rows if r.component == "optimizer_update"}
+    assert shares == pytest.approx({"v": UPDATE * MB4 / 1e9, "x": UPDATE * 40 / 1e9})
+    assert updates(TWO_BY_TWO, A, A, A, B).features["optimizer_update"] == pytest.approx(
+        (2 * MB4 + 40) / 1e9)
+    # Mixed: B updates the all-reduced w and its own v; A only w.
+    mixed = updates(TWO_BY_TWO, B, "ar", A, A)
+    assert mixed.features["optimizer_update"] == pytest.approx(2 * MB4 / 1e9)
+    # One node updates everything whatever the strategy, so the component ranks nothing.
+    alone = spec((A, 2, None))
+    assert updates(alone, "ar", A, A, A).features["optimizer_update"] == 0
+
+
 # ----------------------------------------------------------------------------- explanation
 
 @pytest.mark.parametrize("builder", [PS(local_proxy_variable=True), PartitionedPS(),
@@ -345,7 +378,7 @@ def test_weights_scale_their_component_only():
     strategy = strategy_of(TWO_BY_TWO, common.ar_node_config("v", 0), common.ar_node_config("w", 1))
     heavy = CostModel(CostWeights(collective_latency=1e-3, ring_all_reduce=2.0))
     got = heavy.predict(strategy, [vec("v"), vec("w")], TWO_BY_TWO, batch_size=1)
-    assert got == pytest.approx(2 * 2 * 0.048 + 2 * 1e-3)
+    assert got == pytest.approx(2 * 2 * 0.048 + 2 * 1e-3 + UPDATE * 2 * MB4 / 1e9)
 
 
 def test_format_breakdown_lists_variables_by_time_and_the_component_totals():

@@ -32,6 +32,11 @@ The prediction is a linear combination of a few named components, each a
 * ``split_step`` (1 when a cluster's step mixes PS and AllReduce gradients): the
   step runs twice, its PS traffic waits for the collectives, and every node
   waits for the slowest at the barrier in between.
+* ``optimizer_update`` (GB of variables the busiest node updates, on a
+  cluster): the optimizer's update runs where a variable lives, on its server
+  for PS and on every node for AllReduce (each node keeps a copy), so it costs
+  CPU time that PS placement can spread over the nodes and AllReduce cannot.
+  On one node every strategy updates every variable there, so it is left out.
 
 The bytes behind the components, and the rules by which PS traffic loads each
 resource, are in ``traffic.py``. Compute time is left out: it hardly depends on
@@ -48,7 +53,7 @@ from autodist.simulator.traffic import (DIRECTIONS, ClusterView, SyncParts,
                                         cluster_view, ps_flows, ps_loads, seconds, sync_parts)
 
 COMPONENTS = ("ring_all_reduce", "all_gather", "collective_latency", "ps_transfer",
-              "ps_part_overhead", "ps_serving_nodes", "split_step")
+              "ps_part_overhead", "ps_serving_nodes", "split_step", "optimizer_update")
 """Names of the cost components, in report order."""
 
 _GATHERS_PER_SPARSE_PART = 3  # the kernel gathers row counts, values and indices
@@ -74,6 +79,10 @@ class CostWeights:
             clusters of ``benchmarks/auto_vs_builders.py`` (four nodes sharing
             two cores, where a barrier also makes every node compute at once).
             The learned simulator corrects them for the cluster at hand.
+        optimizer_update: seconds per GB of variables updated on the busiest
+            node: tf.compat.v1 Adam reads and writes the variable, its two
+            slots and the gradient; fitted on the mlp trials of
+            ``benchmarks/auto_vs_builders.py`` (``docs/benchmarks.md``).
     """
 
     ring_all_reduce: float = 1.0
@@ -83,6 +92,7 @@ class CostWeights:
     ps_part_overhead: float = 1e-4
     ps_serving_nodes: float = 0.04
     split_step: float = 0.05
+    optimizer_update: float = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,10 +231,11 @@ class CostModel:
         ar_features, ar_charges = _all_reduce_charges(parts, all_reduced, cluster)
         ps_features, ps_charges, binding = _ps_charges(parts, ps, cluster, split_step)
         step_features, step_charges = _step_charges(parts, ps, multi_node, split_step)
+        update_features, update_charges = _update_charges(parts, cluster, multi_node)
         features = {**dict.fromkeys(COMPONENTS, 0.0), **ar_features, **ps_features,
-                    **step_features}
-        part, component, value = (np.concatenate(column)
-                                  for column in zip(*ar_charges, ps_charges, *step_charges))
+                    **step_features, **update_features}
+        part, component, value = (np.concatenate(column) for column in
+                                  zip(*ar_charges, ps_charges, *step_charges, *update_charges))
         return Charges(parts, cluster, features, part, component, value, binding)
 
 
@@ -234,7 +245,7 @@ class Charges(NamedTuple):
     The charges are columns, one entry per charge, in a fixed order, so that
     sums over them round alike every time: all-gathered parts, then dense
     all-reduce collectives in launch order, then PS parts, then the serving
-    nodes' and the split step's shares.
+    nodes' and the split step's shares, then the busiest node's updates.
 
     Attributes:
         parts: the synchronized parts.
@@ -395,3 +406,32 @@ def _step_charges(parts: SyncParts, ps: np.ndarray, multi_node: bool, split_step
         charges.append(_interleave(synchronized,
                                    ("split_step", 1.0 / len(synchronized), True)))
     return features, charges
+
+
+def _update_charges(parts: SyncParts, cluster: ClusterView, multi_node: bool
+                    ) -> Tuple[Dict[str, float], List[_Charged]]:
+    """The optimizer-update feature: GB of variable parts the busiest node updates.
+
+    Each part with a gradient is updated on its server (PS) or on every node
+    with replicas (AllReduce); the parts updated on the busiest node are
+    charged their own GB.
+
+    Returns:
+        tuple: (component -> feature, the charges).
+    """
+    if not multi_node:
+        return {}, []
+    nodes = list(cluster.replicas_per_node)
+    nodes += [node for node in parts.servers if node not in cluster.replicas_per_node]
+    updated = np.flatnonzero(parts.has_grad)
+    gigabytes = parts.value_bytes[updated] / 1e9
+    # [node, part]: whether the node updates the part.
+    server_node = np.array([nodes.index(node) for node in parts.servers] + [-1],
+                           dtype=np.intp)[parts.server[updated]]
+    on_node = np.where(parts.is_ps[updated],
+                       server_node == np.arange(len(nodes))[:, None],
+                       np.arange(len(nodes))[:, None] < len(cluster.replicas_per_node))
+    busiest = int(np.argmax(on_node @ gigabytes))
+    charged = on_node[busiest]
+    return ({"optimizer_update": _in_order_sum(gigabytes[charged])},
+            [_interleave(updated[charged], ("optimizer_update", gigabytes[charged], True))])

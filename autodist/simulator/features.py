@@ -23,11 +23,11 @@ FEATURE_NAMES = (
     "log_total_ms", "total_ps_transfer_ms", "total_ring_ms")
 _FIRST_COMPONENT_COLUMN = FEATURE_NAMES.index(f"{COMPONENTS[0]}_ms")
 
-FEATURES_VERSION = 5
+FEATURES_VERSION = 6
 """Changes when a feature's meaning does (2: PS pushes and pulls add up as phases; 3: the
 serving-node and split-step components; 4: proxy refreshes overlap pushes; 5: a collective
-per dtype of an all-reduce group), so that a simulator saved for the old features is not
-reused."""
+per dtype of an all-reduce group; 6: the optimizer-update component), so that a simulator
+saved for the old features is not reused."""
 
 
 def strategy_features(strategy: Any, variables: Any, resource_spec: Any, *, batch_size: int,
