@@ -102,12 +102,21 @@ def run_setting(args) -> dict:
         fresh = StrategySearch(captured, spec, batch_size=setting["batch"],
                                candidates=3 * args.held_out, seed=args.seed + 7919)
         held_out = fresh.candidates(0, {t.strategy.id for t in result.trials})[:args.held_out]
-    measured, features = [], []
-    for strategy in held_out:
-        outcome = runner.trial(strategy, args.warmup, steps)
-        if outcome.ok:
-            measured.append(outcome.seconds_per_step)
-            features.append(fresh.features(strategy))
+        os.makedirs(os.path.join(args.workdir, "held_out"), exist_ok=True)
+        for i, strategy in enumerate(held_out):
+            strategy.save(os.path.join(args.workdir, "held_out", f"{i:03d}.strategy"))
+    # Interleaved rounds, median per strategy: one run's noise (a few percent)
+    # would otherwise decide the order of strategies close in time.
+    runs = [[] for _ in held_out]
+    for _ in range(args.held_out_repeats):
+        for strategy, times in zip(held_out, runs):
+            outcome = runner.trial(strategy, args.warmup, steps)
+            if outcome.ok:
+                times.append(outcome.seconds_per_step)
+    kept = [i for i, times in enumerate(runs) if len(times) == args.held_out_repeats]
+    runs = [runs[i] for i in kept]
+    measured = [statistics.median(times) for times in runs]
+    features = [fresh.features(held_out[i]) for i in kept]
     ranking = {}
     if len(measured) >= 2:
         cost_model = [prior_seconds(f) for f in features]
@@ -115,7 +124,8 @@ def run_setting(args) -> dict:
         ranking = {"held_out": len(measured),
                    "tau_cost_model": kendall_tau(cost_model, measured),
                    "tau_trained": kendall_tau(trained, measured),
-                   "measured_s": measured, "cost_model_s": cost_model, "trained_s": trained}
+                   "measured_s": measured, "cost_model_s": cost_model, "trained_s": trained,
+                   "runs_s": runs}
     # The feature sequences and times of every measured strategy, to study the
     # simulator offline on real measurements.
     trials = [t for t in result.trials if t.result.ok]
@@ -151,6 +161,14 @@ def _tau_beyond(scores: list, measured: list, gap: float) -> tuple:
     agree = (np.sign(score[second] - score[first])
              * np.sign(log_time[second] - log_time[first]))[apart]
     return float(agree.sum() / max(apart.sum(), 1)), int(apart.sum())
+
+
+def _retest_tau(runs: list) -> float:
+    """Mean Kendall's tau between the held-out strategies' times of two different rounds."""
+    from autodist.simulator.fidelity import kendall_tau
+    rounds = np.asarray(runs).T  # [round, strategy]
+    first, second = np.triu_indices(len(rounds), 1)
+    return float(np.mean([kendall_tau(rounds[a], rounds[b]) for a, b in zip(first, second)]))
 
 
 def _save_sequences(path: str, **named) -> None:
@@ -216,6 +234,11 @@ def _section(results: list) -> str:
             lines.append(f"Over the {pairs} of {total} pairs whose measured times differ by more "
                          f"than {NOISE_GAP:.0%} (beyond run-to-run noise): cost model {cost:.2f}, "
                          f"trained simulator {trained:.2f}.")
+        if len(ranking.get("runs_s", [[]])[0]) >= 2:
+            lines.append(f"Each held-out strategy ran {len(ranking['runs_s'][0])} times "
+                         "(interleaved; the median counts); two runs of the same strategies "
+                         f"agree at tau {_retest_tau(ranking['runs_s']):.2f}, the measurement's "
+                         "own noise.")
         info = r["machine"]
         lines += [f"Measured {info['date']} ({runs}, each {run['warmup']} warm-up + "
                   f"{r['timed_steps']} timed steps of a fresh job; search seed {run['seed']}) on "
@@ -242,6 +265,8 @@ def main(argv=None) -> int:
     parser.add_argument("--trials", type=int, default=30)
     parser.add_argument("--held-out", type=int, default=20,
                         help="sampled strategies measured to rate the simulators' ranking")
+    parser.add_argument("--held-out-repeats", type=int, default=3,
+                        help="interleaved runs of each held-out strategy (median kept)")
     parser.add_argument("--held-out-in", nargs="+", choices=list(SETTINGS),
                         help="settings that measure held-out strategies (default: all)")
     parser.add_argument("--repeats", type=int, default=3)
@@ -280,6 +305,7 @@ def main(argv=None) -> int:
                        "--trials", str(args.trials),
                        "--held-out", str(args.held_out if name in (args.held_out_in or [name])
                                          else 0),
+                       "--held-out-repeats", str(args.held_out_repeats),
                        "--repeats", str(args.repeats), "--warmup", str(args.warmup),
                        "--steps", str(args.steps), "--seed", str(args.seed),
                        "--min-timed-seconds", str(args.min_timed_seconds)]
@@ -292,8 +318,9 @@ def main(argv=None) -> int:
             result = json.loads(tagged[-1][len("AUTO_RESULT "):])
             plot = result.pop("plot")
             result["machine"] = report.machine_info()
-            result["run"] = {k: getattr(args, k) for k in ("trials", "repeats", "warmup",
-                                                            "steps", "seed", "min_timed_seconds")}
+            result["run"] = {k: getattr(args, k) for k in (
+                "trials", "repeats", "held_out_repeats", "warmup", "steps", "seed",
+                "min_timed_seconds")}
             print(f"[{name}] medians (ms): "
                   + ", ".join(f"{n} {1e3 * t:.1f}" for n, t in result["medians"].items() if t),
                   f"ranking: {result['ranking']}", flush=True)
