@@ -50,7 +50,8 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple, Union
 import numpy as np
 
 from autodist.simulator.traffic import (DIRECTIONS, ClusterView, SyncParts,
-                                        cluster_view, ps_flows, ps_loads, seconds, sync_parts)
+                                        cluster_view, ps_flows, ps_loads, seconds, step_nodes,
+                                        sync_parts)
 
 COMPONENTS = ("ring_all_reduce", "all_gather", "collective_latency", "ps_transfer",
               "ps_part_overhead", "ps_serving_nodes", "split_step", "optimizer_update")
@@ -421,13 +422,11 @@ def _update_charges(parts: SyncParts, cluster: ClusterView, multi_node: bool
     """
     if not multi_node:
         return {}, []
-    nodes = list(cluster.replicas_per_node)
-    nodes += [node for node in parts.servers if node not in cluster.replicas_per_node]
+    nodes, server_node = step_nodes(cluster, parts.servers)
     updated = np.flatnonzero(parts.has_grad)
     gigabytes = parts.value_bytes[updated] / 1e9
+    server_node = server_node[parts.server[updated]]
     # [node, part]: whether the node updates the part.
-    server_node = np.array([nodes.index(node) for node in parts.servers] + [-1],
-                           dtype=np.intp)[parts.server[updated]]
     on_node = np.where(parts.is_ps[updated],
                        server_node == np.arange(len(nodes))[:, None],
                        np.arange(len(nodes))[:, None] < len(cluster.replicas_per_node))

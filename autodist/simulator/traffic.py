@@ -342,6 +342,19 @@ def ps_flows(parts: SyncParts, index: np.ndarray, split_step: bool) -> PSFlows:
                    read / (parts.staleness[index] + 1))
 
 
+def step_nodes(cluster: ClusterView, servers: List[str]) -> Tuple[List[str], np.ndarray]:
+    """The nodes a step runs on, and each server's index among them.
+
+    Returns:
+        tuple: (the nodes: the replicas' first, then servers without replicas;
+        for each of ``servers`` its index in the nodes, then -1, so that an
+        all-reduced part's server -1 picks -1).
+    """
+    nodes = list(cluster.replicas_per_node)
+    nodes += [node for node in servers if node not in cluster.replicas_per_node]
+    return nodes, np.array([nodes.index(node) for node in servers] + [-1], dtype=np.intp)
+
+
 def ps_loads(flows: PSFlows, servers: List[str],
              cluster: ClusterView) -> Tuple[List[str], np.ndarray]:
     """The bytes each flow puts on every resource per step.
@@ -355,9 +368,8 @@ def ps_loads(flows: PSFlows, servers: List[str],
         tuple: (the nodes: the replicas' first, then other servers; the bytes,
         ``[phase (PHASES), node, direction (DIRECTIONS), flow]``).
     """
-    nodes = list(cluster.replicas_per_node)
-    nodes += [node for node in servers if node not in cluster.replicas_per_node]
-    server = np.array([nodes.index(node) for node in servers], dtype=np.intp)[flows.server]
+    nodes, server_node = step_nodes(cluster, servers)
+    server = server_node[flows.server]
     flow = np.arange(len(server))
     loads = np.zeros((len(PHASES), len(nodes), len(DIRECTIONS), len(server)))
     push, pull = loads[_PUSH], np.zeros_like(loads[_PUSH])
