@@ -9,8 +9,10 @@ Settings (models in ``auto_models.py``):
 
 Per setting, inside the chief's namespace: the search (``autodist search``'s
 code, ``--trials`` trials, the builders opening it); then ``--held-out``
-sampled strategies never tried, measured, to rate the simulators' ranking
-(Kendall tau of the cost model alone and of the trained simulator); then every
+sampled strategies never tried, each measured in ``--held-out-repeats``
+interleaved rounds (median kept), to rate the simulators' ranking (Kendall tau
+of the cost model alone and of the trained simulator, and between two rounds
+of the same strategies, the measurement's own agreement); then every
 builder and AutoStrategy's result measured side by side, ``--repeats`` rounds,
 interleaved, median per strategy. One trial = a fresh run of the training
 script on every node, ``--warmup`` steps, then ``--steps`` timed ones.
