@@ -4,10 +4,10 @@ Each subcommand is one entry of ``SUBCOMMANDS``: a function that adds its
 parser to the top-level subparsers and sets ``func`` (the handler, taking the
 parsed arguments and returning an exit status) with ``set_defaults``. A handler
 reports a user-facing failure by raising ``ValueError``, ``RuntimeError`` or
-``OSError``; ``main`` prints the message and exits with status 1. A handler may
-instead pass an option value out of range to its parser's ``error`` (``search``,
-``explain`` and ``probe`` do), which exits with status 2 as for a value that does
-not parse.
+``OSError``; ``main`` prints the message and exits with status 1. An option value
+out of range is a usage error instead (``autodist.usage``): the handler checks its
+options inside ``options_checked()`` and sets ``usage_parser`` (its parser) with
+``set_defaults``, and ``main`` exits with status 2, as for a value that does not parse.
 
     autodist emulate up --nodes 2 --bandwidth 1gbit --out spec.yml
     autodist emulate down
@@ -25,6 +25,7 @@ import yaml
 
 from autodist.cluster import emulate, probe
 from autodist.strategy.auto import commands as search_commands
+from autodist.usage import UsageError, options_checked
 
 
 def _split(values: Sequence[str] | None) -> list[str]:
@@ -35,11 +36,13 @@ def _split(values: Sequence[str] | None) -> list[str]:
 def _emulate_up(args: argparse.Namespace) -> int:
     bandwidth = _split(args.bandwidth) or ["1gbit"]
     cpus_text = _split(args.cpus) or ["1"]
-    try:
-        cpus = [int(c) for c in cpus_text]
-    except ValueError:
-        raise ValueError(f"--cpus is {','.join(cpus_text)!r}, but it must be a positive integer or a comma "
-                         "list with one per node, e.g. '--cpus 2'.") from None
+    with options_checked():
+        try:
+            cpus = [int(c) for c in cpus_text]
+        except ValueError:
+            raise ValueError(f"--cpus is {','.join(cpus_text)!r}, but it must be a positive integer or a "
+                             "comma list with one per node, e.g. '--cpus 2'.") from None
+        emulate.check_arguments(args.nodes, bandwidth, args.name, cpus, args.latency)
     cluster = emulate.up(args.nodes, bandwidth, name=args.name, cpus_per_node=cpus, latency=args.latency)
     try:
         with open(args.out, "w", encoding="utf-8") as f:
@@ -86,7 +89,7 @@ def _add_emulate(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--latency", help="one-way delay per host link, e.g. 1ms (needs the kernel's sch_netem)")
     up.add_argument("--name", default="ad", help="cluster name, the prefix of its namespaces (default: ad)")
     up.add_argument("--out", required=True, help="path of the resource spec YAML to write")
-    up.set_defaults(func=_emulate_up)
+    up.set_defaults(func=_emulate_up, usage_parser=up)
 
     down = actions.add_parser("down", help="remove the cluster")
     down.add_argument("--name", default="ad", help="cluster name given to 'up' (default: ad)")
@@ -123,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         int: The exit status (0 on success, 1 on a reported error; usage
-        errors exit with status 2 through argparse).
+        errors, option values out of range included, exit with status 2 through argparse).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     passthrough = []
@@ -133,6 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.passthrough = passthrough
     try:
         return args.func(args)
+    except UsageError as e:
+        args.usage_parser.error(str(e))
     except (ValueError, RuntimeError, OSError) as e:
         print(f"autodist {args.command}: error: {e}", file=sys.stderr)
         return 1

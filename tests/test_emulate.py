@@ -145,12 +145,21 @@ def test_spec_dict_is_a_valid_resource_spec():
     assert spec.node("10.123.0.2").launch_prefix == ("ip", "netns", "exec", "ad-h2")
 
 
-def test_cli_reports_bad_arguments(tmp_path, capsys):
+@pytest.mark.parametrize("options, message", [
+    (["--nodes", "3", "--bandwidth", "1gbit,2gbit"], "one per node"),
+    (["--nodes", "2", "--cpus", "x"], "--cpus is 'x'"),
+    (["--nodes", "0"], "num_nodes is 0"),
+    (["--nodes", "2", "--latency", "soon"], "latency is 'soon'"),
+])
+def test_cli_refuses_bad_option_values_as_usage_errors(tmp_path, capsys, options, message):
+    # Refused before anything is built (and without root): status 2, as for a value that does not parse.
     out = tmp_path / "spec.yml"
-    assert cli.main(["emulate", "up", "--nodes", "3", "--bandwidth", "1gbit,2gbit", "--out", str(out)]) == 1
-    assert "one per node" in capsys.readouterr().err
-    assert cli.main(["emulate", "up", "--nodes", "2", "--cpus", "x", "--out", str(out)]) == 1
-    assert "--cpus" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["emulate", "up", *options, "--out", str(out)])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith("autodist emulate up: error: ") and message in err
+    assert "Traceback" not in err
     assert not out.exists()
 
 

@@ -64,7 +64,8 @@ def test_measured_spec_rounds_and_gives_the_chief_its_fastest_link():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(seconds=0), "seconds"), (dict(seconds=61), "seconds"), (dict(pings=0), "pings"),
-    (dict(pings=2.5), "pings"), (dict(timeout=-1), "timeout")])
+    (dict(pings=2.5), "pings"), (dict(pings=True), "pings"), (dict(timeout=-1), "timeout"),
+    (dict(timeout=float("inf")), "timeout"), (dict(seconds=True), "seconds")])
 def test_probe_validates_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         probe.probe(_loopback_spec(), **kwargs)
@@ -124,7 +125,8 @@ def test_cli_reports_failures_on_one_line(tmp_path, capsys):
 @pytest.mark.parametrize("option, value, message", [
     ("--seconds", "0", "seconds is 0.0, but it must be a number above 0 and at most 60.0."),
     ("--pings", "1001", "pings is 1001, but it must be an integer from 1 to 1000."),
-    ("--timeout", "-1", "timeout is -1.0, but it must be a positive number of seconds."),
+    ("--timeout", "-1", "timeout is -1.0, but it must be a positive, finite number of seconds."),
+    ("--timeout", "inf", "timeout is inf, but it must be a positive, finite number of seconds."),
 ])
 def test_cli_refuses_an_option_out_of_range_as_a_usage_error(tmp_path, capsys, option, value, message):
     # A launch route that fails at once: the options are refused before any node is started.

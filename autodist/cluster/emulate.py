@@ -183,7 +183,7 @@ def up(num_nodes: int, bandwidth: str | float | Sequence[str | float] = "1gbit",
         EmulationError: If not root, ``ip``/``tc`` are missing, a cluster of that
             name exists, latency emulation is unavailable, or a command fails.
     """
-    rates, cpus = _validate(num_nodes, bandwidth, name, cpus_per_node, latency)
+    rates, cpus = check_arguments(num_nodes, bandwidth, name, cpus_per_node, latency)
     _require_root()
     existing = _cluster_namespaces(name)
     if existing:
@@ -282,8 +282,15 @@ def emulated_cluster(num_nodes: int, bandwidth: str | float | Sequence[str | flo
         down(name)
 
 
-def _validate(num_nodes, bandwidth, name, cpus_per_node, latency) -> tuple[list[float], list[int]]:
-    """Checks ``up``'s arguments; returns the per-host rates (Gbit/s) and CPU counts."""
+def check_arguments(num_nodes, bandwidth, name, cpus_per_node, latency) -> tuple[list[float], list[int]]:
+    """Checks ``up``'s arguments (see there) without touching anything.
+
+    Returns:
+        tuple: The per-host rates (Gbit/s) and CPU counts.
+
+    Raises:
+        ValueError: Naming the first argument out of range and its value.
+    """
     _check_name(name)
     if not isinstance(num_nodes, int) or isinstance(num_nodes, bool) or not 1 <= num_nodes <= MAX_NODES:
         raise ValueError(f"num_nodes is {num_nodes!r}, but it must be an integer from 1 to {MAX_NODES}.")

@@ -25,7 +25,6 @@ naming the node (and the chief, when the chief could not reach it).
 import argparse
 import collections
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -43,6 +42,7 @@ import yaml
 
 from autodist.cluster import launcher
 from autodist.resource_spec import NodeSpec, ResourceSpec
+from autodist.usage import options_checked
 
 MODULE = "autodist.cluster.probe"
 MAX_SECONDS = 60.0
@@ -121,12 +121,18 @@ def check_arguments(seconds: float, pings: int, timeout: float) -> None:
     Raises:
         ValueError: Naming the first argument out of range and its value.
     """
-    if not (isinstance(seconds, (int, float)) and 0 < seconds <= MAX_SECONDS):
+    if not (_is_number(seconds) and 0 < seconds <= MAX_SECONDS):
         raise ValueError(f"seconds is {seconds!r}, but it must be a number above 0 and at most {MAX_SECONDS}.")
-    if not (isinstance(pings, int) and 1 <= pings <= MAX_PINGS):
+    if not (_is_number(pings) and isinstance(pings, int) and 1 <= pings <= MAX_PINGS):
         raise ValueError(f"pings is {pings!r}, but it must be an integer from 1 to {MAX_PINGS}.")
-    if not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ValueError(f"timeout is {timeout!r}, but it must be a positive number of seconds.")
+    # An infinite timeout would let a node that never answers hang the probe.
+    if not (_is_number(timeout) and 0 < timeout < math.inf):
+        raise ValueError(f"timeout is {timeout!r}, but it must be a positive, finite number of seconds.")
+
+
+def _is_number(value) -> bool:
+    """Whether ``value`` is an int or a float; a bool is not a number here."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def measured_spec(spec: ResourceSpec, measurements: Sequence[LinkMeasurement]) -> dict:
@@ -460,15 +466,12 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--timeout", type=float, default=30.0,
                         help="seconds to wait for a node's program to start or answer (default: 30)")
     parser.add_argument("--report", help="also write the measurements, latencies included, to this JSON file")
-    parser.set_defaults(func=functools.partial(_run, parser=parser))
+    parser.set_defaults(func=_run, usage_parser=parser)
 
 
-def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    try:
+def _run(args: argparse.Namespace) -> int:
+    with options_checked():
         check_arguments(args.seconds, args.pings, args.timeout)
-    except ValueError as e:
-        # An option out of range is a usage error, like one that does not parse (status 2).
-        parser.error(str(e))
     spec = ResourceSpec(args.spec)
     measurements = probe(spec, args.seconds, args.pings, args.timeout)
     updated = measured_spec(spec, measurements)

@@ -9,10 +9,9 @@ session). TensorFlow and the simulator load only when a command runs.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
 import os
-from typing import Iterator
+
+from autodist.usage import options_checked
 
 
 def _runner(args: argparse.Namespace, workdir: str):
@@ -23,24 +22,11 @@ def _runner(args: argparse.Namespace, workdir: str):
                         timeout=args.trial_timeout)
 
 
-@contextlib.contextmanager
-def _usage_errors(parser: argparse.ArgumentParser) -> Iterator[None]:
-    """Passes a ValueError of the block to ``parser.error``, which exits with status 2.
-
-    An option out of range is a usage error, like one that does not parse: refused
-    before the script is run to read its graph.
-    """
-    try:
-        yield
-    except ValueError as err:
-        parser.error(str(err))
-
-
-def _search(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def _search(args: argparse.Namespace) -> int:
     from autodist.resource_spec import ResourceSpec
     from autodist.strategy.auto.builder import SearchSettings, search_strategy
 
-    with _usage_errors(parser):
+    with options_checked():  # before the script runs to read its graph
         settings = SearchSettings(trials=args.trials, candidates=args.candidates,
                                   per_round=args.per_round, batch_size=args.batch_size,
                                   allow_lossy=args.allow_lossy, with_builders=not args.no_builders,
@@ -69,7 +55,7 @@ def _search(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-def _explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def _explain(args: argparse.Namespace) -> int:
     from autodist.resource_spec import ResourceSpec
     from autodist.simulator import CostModel, format_breakdown
     from autodist.strategy import Strategy
@@ -77,7 +63,7 @@ def _explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from autodist.strategy.compiler import compile_strategy
     import tempfile
 
-    with _usage_errors(parser):
+    with options_checked():
         # The options shared with search (see _common) are checked where search checks them.
         SearchSettings(batch_size=args.batch_size, trial_timeout=args.trial_timeout)
         check_count("top", args.top, 0)
@@ -127,7 +113,7 @@ def add_search_subcommand(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", default="best.strategy",
                         help="where to save the best strategy (default: best.strategy)")
     _common(parser)
-    parser.set_defaults(func=functools.partial(_search, parser=parser))
+    parser.set_defaults(func=_search, usage_parser=parser)
 
 
 def add_explain_subcommand(subparsers: argparse._SubParsersAction) -> None:
@@ -139,4 +125,4 @@ def add_explain_subcommand(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--script", required=True, help="the training script the strategy is for")
     parser.add_argument("--top", type=int, default=20, help="variables to list (default: 20)")
     _common(parser)
-    parser.set_defaults(func=functools.partial(_explain, parser=parser))
+    parser.set_defaults(func=_explain, usage_parser=parser)
