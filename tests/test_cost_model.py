@@ -18,6 +18,7 @@ pytestmark = pytest.mark.timeout(60)
 A, B, C = "10.0.0.1", "10.0.0.2", "10.0.0.3"
 MB4 = 4_000_000  # bytes of a (1_000_000,) float32 variable
 LATENCY = CostWeights().collective_latency
+AR_PART = CostWeights().all_reduce_part_overhead  # seconds per all-reduced part
 OVERHEAD = CostWeights().ps_part_overhead
 SERVING = CostWeights().ps_serving_nodes
 SPLIT = CostWeights().split_step
@@ -74,29 +75,29 @@ def test_ring_all_reduce_of_one_variable_on_four_replicas_across_two_nodes():
     got = predict(strategy_of(TWO_BY_TWO, common.ar_node_config("v", 0)), [v], TWO_BY_TWO)
     ring = 2 * 3 / 4 * MB4 * 8 / 1e9
     assert ring == pytest.approx(0.048)
-    assert got == pytest.approx(ring + LATENCY)
+    assert got == pytest.approx(ring + LATENCY + AR_PART)
 
 
 @pytest.mark.parametrize("compressor", ["HorovodCompressor", "HorovodCompressorEF"])
 def test_fp16_compressors_halve_the_ring_bytes(compressor):
     node = common.ar_node_config("v", 0, compressor=compressor)
     got = predict(strategy_of(TWO_BY_TWO, node), [vec("v")], TWO_BY_TWO)
-    assert got == pytest.approx(0.024 + LATENCY)
+    assert got == pytest.approx(0.024 + LATENCY + AR_PART)
 
 
 def test_the_slowest_nic_on_the_ring_binds():
     slow = spec((A, 2, 1), (B, 2, 0.5))
     got = predict(strategy_of(slow, common.ar_node_config("v", 0)), [vec("v")], slow)
-    assert got == pytest.approx(0.096 + LATENCY)
+    assert got == pytest.approx(0.096 + LATENCY + AR_PART)
 
 
 def test_a_ring_within_one_node_runs_at_the_local_bandwidth():
     one = spec((A, 2, None))
     got = predict(strategy_of(one, common.ar_node_config("v", 0)), [vec("v")], one)
-    assert got == pytest.approx(2 * 1 / 2 * seconds(MB4, 50) + LATENCY)
+    assert got == pytest.approx(2 * 1 / 2 * seconds(MB4, 50) + LATENCY + AR_PART)
     fast_bus = CostModel(local_bandwidth_gbps=100)
     assert predict(strategy_of(one, common.ar_node_config("v", 0)), [vec("v")], one,
-                   model=fast_bus) == pytest.approx(seconds(MB4, 100) + LATENCY)
+                   model=fast_bus) == pytest.approx(seconds(MB4, 100) + LATENCY + AR_PART)
 
 
 def test_merging_two_variables_into_one_group_removes_one_latency_term():
@@ -105,8 +106,23 @@ def test_merging_two_variables_into_one_group_removes_one_latency_term():
                                 common.ar_node_config("w", 1)), variables, TWO_BY_TWO)
     merged = predict(strategy_of(TWO_BY_TWO, common.ar_node_config("v", 0),
                                  common.ar_node_config("w", 0)), variables, TWO_BY_TWO)
-    assert apart == pytest.approx(2 * 0.048 + 2 * LATENCY)
+    assert apart == pytest.approx(2 * 0.048 + 2 * LATENCY + 2 * AR_PART)
     assert apart - merged == pytest.approx(LATENCY)
+
+
+def test_each_all_reduced_part_adds_its_fixed_overhead():
+    # PartitionedAR(num_partitions=4) cuts v into four parts of one group: the ring moves
+    # the same bytes through the same single collective, and each part adds its overhead.
+    graph = types.SimpleNamespace(trainable_variables=[vec("v")])
+    whole = breakdown(strategy_of(TWO_BY_TWO, common.ar_node_config("v", 0)), [vec("v")],
+                      TWO_BY_TWO)
+    cut = breakdown(PartitionedAR(chunk_size=128, num_partitions=4).build(graph, TWO_BY_TWO),
+                    [vec("v")], TWO_BY_TWO)
+    assert (whole.features["all_reduce_part_overhead"], cut.features["all_reduce_part_overhead"]
+            ) == (1, 4)
+    assert cut.features["ring_all_reduce"] == pytest.approx(whole.features["ring_all_reduce"])
+    assert cut.features["collective_latency"] == whole.features["collective_latency"] == 1
+    assert cut.total - whole.total == pytest.approx(3 * AR_PART)
 
 
 def test_a_group_mixing_dtypes_launches_one_collective_per_dtype():
@@ -119,7 +135,7 @@ def test_a_group_mixing_dtypes_launches_one_collective_per_dtype():
     assert got.features["collective_latency"] == 2
     assert got.features["ring_all_reduce"] == pytest.approx(ring)
     assert predict(strategy_of(TWO_BY_TWO, *nodes), variables, TWO_BY_TWO) == pytest.approx(
-        ring + 2 * LATENCY)
+        ring + 2 * LATENCY + 3 * AR_PART)
     # A launch is shared evenly by the members of its dtype: a half each, the whole to h.
     latency = {row.variable: row.seconds for row in got.rows
                if row.component == "collective_latency"}
@@ -131,11 +147,11 @@ def test_sparse_all_reduce_is_an_all_gather_of_the_touched_rows():
     node = common.ar_node_config("emb", 0, compressor="HorovodCompressor")  # no effect on gathers
     strategy = strategy_of(TWO_BY_TWO, node)
     got = predict(strategy, [emb], TWO_BY_TWO, batch_size=10)
-    assert got == pytest.approx(3 * 10 * 256 * 8 / 1e9 + 3 * LATENCY)
+    assert got == pytest.approx(3 * 10 * 256 * 8 / 1e9 + 3 * LATENCY + AR_PART)
     more_rows = predict(strategy, [emb], TWO_BY_TWO, batch_size=10, rows_touched={"emb": 100})
-    assert more_rows == pytest.approx(3 * 100 * 256 * 8 / 1e9 + 3 * LATENCY)
+    assert more_rows == pytest.approx(3 * 100 * 256 * 8 / 1e9 + 3 * LATENCY + AR_PART)
     capped = predict(strategy, [emb], TWO_BY_TWO, batch_size=5000)  # at most every row
-    assert capped == pytest.approx(3 * 1000 * 256 * 8 / 1e9 + 3 * LATENCY)
+    assert capped == pytest.approx(3 * 1000 * 256 * 8 / 1e9 + 3 * LATENCY + AR_PART)
 
 
 # ----------------------------------------------------------------------------- parameter servers
@@ -378,7 +394,7 @@ def test_weights_scale_their_component_only():
     strategy = strategy_of(TWO_BY_TWO, common.ar_node_config("v", 0), common.ar_node_config("w", 1))
     heavy = CostModel(CostWeights(collective_latency=1e-3, ring_all_reduce=2.0))
     got = heavy.predict(strategy, [vec("v"), vec("w")], TWO_BY_TWO, batch_size=1)
-    assert got == pytest.approx(2 * 2 * 0.048 + 2 * 1e-3 + UPDATE * 2 * MB4 / 1e9)
+    assert got == pytest.approx(2 * 2 * 0.048 + 2 * 1e-3 + 2 * AR_PART + UPDATE * 2 * MB4 / 1e9)
 
 
 def test_format_breakdown_lists_variables_by_time_and_the_component_totals():
@@ -386,13 +402,15 @@ def test_format_breakdown_lists_variables_by_time_and_the_component_totals():
                            common.ar_node_config("small", 1), common.ar_node_config("tiny", 1))
     variables = [vec("big"), vec("small", 1000), vec("tiny", 10)]
     text = format_breakdown(breakdown(strategy, variables, TWO_BY_TWO))
-    # Rings of 48, 0.048 and 0.00048 ms, and two groups of 0.2 ms latency.
-    assert text.startswith("Predicted 48.448 ms per iteration.")
+    # Rings of 48, 0.048 and 0.00048 ms, two groups of 0.2 ms latency, three parts of 1 ms.
+    assert AR_PART == 1e-3
+    assert text.startswith("Predicted 51.448 ms per iteration.")
     lines = text.splitlines()
     body = [line.split()[0] for line in lines[4:7]]
     assert body == ["big", "small", "tiny"]
     assert any(line.split()[:2] == ["collective_latency", "2"] for line in lines)
-    assert lines[-1].split() == ["total", "48.448"]
+    assert any(line.split()[:2] == ["all_reduce_part_overhead", "3"] for line in lines)
+    assert lines[-1].split() == ["total", "51.448"]
     short = format_breakdown(breakdown(strategy, variables, TWO_BY_TWO), top=1)
     assert "(others)" in short and "(2 variables)" in short
 

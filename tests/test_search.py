@@ -1,8 +1,10 @@
 """The strategy search: its rounds on a known cost landscape, AutoStrategy, the CLI."""
+import dataclasses
 import json
 import os
 import random
 import re
+import types
 
 import numpy as np
 import pytest
@@ -10,10 +12,12 @@ import pytest
 from autodist.graph_item import VariableInfo
 from autodist.resource_spec import ResourceSpec
 from autodist.simulator import CostModel
+from autodist.simulator.calibration import Calibration
+from autodist.simulator.features import cost_model_seconds
 from autodist.simulator.fidelity import kendall_tau
 from autodist.strategy import BUILDERS, AutoStrategy, Strategy
 from autodist.strategy.auto.builder import SearchSettings, search_strategy
-from autodist.strategy.auto.search import StrategySearch, prior_seconds
+from autodist.strategy.auto.search import StrategySearch
 from autodist.strategy.auto.trial import CapturedGraph, TrialResult
 from test_equivalence import assert_equivalent
 
@@ -76,7 +80,7 @@ def test_a_search_on_a_known_landscape():
     sources = [t.source for t in result.trials]
     # Half the budget at most opens with builders, the cost model's favourites first.
     assert sources[:8] == [s for s in sources if s.startswith("builder:")]
-    predicted = [prior_seconds(search.features(builders[s.split(":")[1]])) for s in sources[:8]]
+    predicted = [cost_model_seconds(search.features(builders[s.split(":")[1]])) for s in sources[:8]]
     assert predicted == sorted(predicted)
     assert len(sources) == 20 and len({t.strategy.id for t in result.trials}) == 20
     # A quarter of the 12 trials the search picked were drawn at random.
@@ -89,6 +93,29 @@ def test_a_search_on_a_known_landscape():
     # Trials taught the simulator what the cost model did not know.
     tau_trained = kendall_tau(search.simulator.score(held_features), truth)
     assert tau_trained > tau_prior + 0.05, (tau_prior, tau_trained)
+
+
+@pytest.mark.timeout(240)
+def test_the_next_search_on_the_same_problem_picks_up_simulator_and_calibration(tmp_path):
+    graph, spec = synthetic_graph(20), heterogeneous_cluster()
+    landscape = Landscape(graph, spec)
+    runner = types.SimpleNamespace(trial=lambda strategy, warmup, steps: landscape(strategy))
+    settings = SearchSettings(trials=12, candidates=100, log_dir=str(tmp_path), progress=False)
+    first = search_strategy(graph, spec, runner, settings)
+    saved = json.loads((tmp_path / "calibration.json").read_text())
+    assert Calibration.from_json(saved) == first.calibration and first.calibration.trials == 12
+    # Without trials, the same graph and cluster: both come back and score as before.
+    again = search_strategy(graph, spec, None, dataclasses.replace(settings, trials=0))
+    assert again.calibration == first.calibration and again.simulator.trained
+    candidates = StrategySearch(graph, spec, candidates=50, seed=5).candidates(0)
+    features = [StrategySearch(graph, spec).features(c) for c in candidates]
+    assert np.allclose(again.simulator.score(features), first.simulator.score(features))
+    # Another cluster starts from the cost model.
+    other = ResourceSpec.from_dict({"nodes": [
+        {"address": f"10.123.0.{i + 1}", "cpus": [0], "chief": i == 0, "network_bandwidth": 1.0}
+        for i in range(4)]})
+    fresh = search_strategy(graph, other, None, dataclasses.replace(settings, trials=0))
+    assert not fresh.simulator.trained and fresh.calibration == Calibration()
 
 
 def test_auto_strategy_without_trials_trains_like_one_device(spec_path, tmp_path):
@@ -163,7 +190,7 @@ def test_search_command_on_the_example(tmp_path, capsys):
     best = Strategy.load(str(out))
     assert best.id == min(lines, key=lambda line: line["measured_s"])["strategy_id"]
     assert (log_dir / "search.png").read_bytes()[:4] == b"\x89PNG"
-    assert (log_dir / "simulator.npz").exists()
+    assert (log_dir / "simulator.npz").exists() and (log_dir / "calibration.json").exists()
     printed = capsys.readouterr().out
     assert "Best:" in printed and "4/4" in printed
 
@@ -215,7 +242,7 @@ def test_a_command_refuses_a_bad_option_before_running_the_script(tmp_path, caps
 def test_a_share_of_the_search_trials_is_drawn_at_random(share, random_picks):
     graph, spec = synthetic_graph(10), heterogeneous_cluster()
     search = StrategySearch(graph, spec, candidates=40, per_round=3, explore_share=share)
-    result = search.run(lambda s: TrialResult(prior_seconds(search.features(s))), trials=8)
+    result = search.run(lambda s: TrialResult(cost_model_seconds(search.features(s))), trials=8)
     sources = [t.source for t in result.trials]
     # Each round's random picks come first; over the search they keep to their share.
     assert sources.count("explore") == random_picks and len(sources) == 8

@@ -3,6 +3,7 @@
 ``cost_model`` (with ``traffic``) predicts a strategy's synchronization time from
 named components; ``features`` turns a strategy into the per-variable sequence
 that ``ranking.RankingSimulator`` (an RNN refined by measured trials) scores;
+``calibration`` refits the components' weights to the trials, the RNN's prior;
 ``fidelity`` says how far a ranking can be trusted. The ranking simulator needs
 Keras and is imported from its module, so importing this package stays light.
 """

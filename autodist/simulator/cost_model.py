@@ -14,6 +14,10 @@ The prediction is a linear combination of a few named components, each a
   dense group (the kernel reduces each dtype in a buffer of its own; the
   sampler's groups hold one), three per sparse AllReduce part (the kernel
   gathers counts, values, indices).
+* ``all_reduce_part_overhead`` (all-reduced parts with a gradient): fixed work
+  per part and step on every replica: its gradient is copied into and out of
+  its collective's buffer and the part is updated on its own, so cutting
+  variables into many parts costs time even when the bytes do not change.
 * ``ps_transfer`` (seconds at nominal bandwidth): PS gradients pushed and
   values pulled, accumulated per resource: each node's NIC inbound, its NIC
   outbound (full duplex: ``autodist emulate`` shapes both directions
@@ -53,8 +57,9 @@ from autodist.simulator.traffic import (DIRECTIONS, ClusterView, SyncParts,
                                         cluster_view, ps_flows, ps_loads, seconds, step_nodes,
                                         sync_parts)
 
-COMPONENTS = ("ring_all_reduce", "all_gather", "collective_latency", "ps_transfer",
-              "ps_part_overhead", "ps_serving_nodes", "split_step", "optimizer_update")
+COMPONENTS = ("ring_all_reduce", "all_gather", "collective_latency", "all_reduce_part_overhead",
+              "ps_transfer", "ps_part_overhead", "ps_serving_nodes", "split_step",
+              "optimizer_update")
 """Names of the cost components, in report order."""
 
 _GATHERS_PER_SPARSE_PART = 3  # the kernel gathers row counts, values and indices
@@ -72,6 +77,10 @@ class CostWeights:
         all_gather: multiplier of the sparse all-gather transfer time.
         collective_latency: seconds per collective: a ring over gRPC makes
             ``2 (n - 1)`` dependent hops of some tens of microseconds each.
+        all_reduce_part_overhead: seconds per all-reduced part and step;
+            fitted on the mlp trials of ``benchmarks/auto_vs_builders.py``
+            (0.8-1.3 ms, ``docs/benchmarks.md``), where four replicas share
+            two cores.
         ps_transfer: multiplier of the busiest PS resource's transfer time.
         ps_part_overhead: seconds per PS part and step: a handful of send,
             accumulate and apply ops, each some tens of microseconds.
@@ -89,6 +98,7 @@ class CostWeights:
     ring_all_reduce: float = 1.0
     all_gather: float = 1.0
     collective_latency: float = 2e-4
+    all_reduce_part_overhead: float = 1e-3
     ps_transfer: float = 1.0
     ps_part_overhead: float = 1e-4
     ps_serving_nodes: float = 0.04
@@ -314,17 +324,20 @@ def _all_reduce_charges(parts: SyncParts, index: np.ndarray,
     ring_factor = 2.0 * (n - 1) / n
     features = {"ring_all_reduce": _in_order_sum(seconds(ring_factor * collective_bytes, gbps)),
                 "all_gather": _in_order_sum(gather),
-                "collective_latency": float(_GATHERS_PER_SPARSE_PART * len(sparse) + len(first))}
+                "collective_latency": float(_GATHERS_PER_SPARSE_PART * len(sparse) + len(first)),
+                "all_reduce_part_overhead": float(len(index))}
     order = np.argsort(collective, kind="stable")
     dense, collective = dense[order], collective[order]
     members = np.bincount(collective, minlength=len(first))
     ring = seconds(ring_factor * parts.wire_bytes[dense], gbps)
     return features, [
         _interleave(sparse, ("all_gather", gather, True),
-                    ("collective_latency", float(_GATHERS_PER_SPARSE_PART), True)),
+                    ("collective_latency", float(_GATHERS_PER_SPARSE_PART), True),
+                    ("all_reduce_part_overhead", 1.0, True)),
         # Collective by collective, as launched; a launch is shared evenly by its members.
         _interleave(dense, ("ring_all_reduce", ring, True),
-                    ("collective_latency", 1.0 / members[collective], True))]
+                    ("collective_latency", 1.0 / members[collective], True),
+                    ("all_reduce_part_overhead", 1.0, True))]
 
 
 def _ps_charges(parts: SyncParts, index: np.ndarray, cluster: ClusterView, split_step: bool

@@ -22,12 +22,13 @@ FEATURE_NAMES = (
     *(f"{name}_ms" for name in COMPONENTS),
     "log_total_ms", "total_ps_transfer_ms", "total_ring_ms")
 _FIRST_COMPONENT_COLUMN = FEATURE_NAMES.index(f"{COMPONENTS[0]}_ms")
+_TOTAL_MS = FEATURE_NAMES.index("log_total_ms")
 
-FEATURES_VERSION = 6
+FEATURES_VERSION = 7
 """Changes when a feature's meaning does (2: PS pushes and pulls add up as phases; 3: the
 serving-node and split-step components; 4: proxy refreshes overlap pushes; 5: a collective
-per dtype of an all-reduce group; 6: the optimizer-update component), so that a simulator
-saved for the old features is not reused."""
+per dtype of an all-reduce group; 6: the optimizer-update component; 7: the all-reduce
+part-overhead component), so that a simulator saved for the old features is not reused."""
 
 
 def strategy_features(strategy: Any, variables: Any, resource_spec: Any, *, batch_size: int,
@@ -100,3 +101,8 @@ def strategy_features(strategy: Any, variables: Any, resource_spec: Any, *, batc
     table[:, -3:] = (math.log1p(1e3 * sum(totals.values())), 1e3 * totals["ps_transfer"],
                      1e3 * totals["ring_all_reduce"])
     return table.astype(np.float32)
+
+
+def cost_model_seconds(features: np.ndarray) -> float:
+    """The cost model's prediction, read back from a feature sequence (every row carries it)."""
+    return float(math.expm1(features[0, _TOTAL_MS]) / 1e3) if len(features) else 0.0

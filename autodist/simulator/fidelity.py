@@ -1,6 +1,6 @@
 """How far a simulator's ranking can be trusted: rank agreement and the fidelity level.
 
-All three functions compare *predicted* scores (lower = predicted faster) with
+The three measures compare *predicted* scores (lower = predicted faster) with
 *measured* per-iteration times over the same strategies, pair by pair:
 
 * :func:`pairwise_accuracy`: the share of pairs with different measured times
@@ -9,6 +9,8 @@ All three functions compare *predicted* scores (lower = predicted faster) with
 * :func:`fidelity_threshold`: AutoStrategy's *fidelity level*, the highest
   score such that among the trials scored at or below it the pairwise accuracy
   is still at least ``accuracy`` (80% by default).
+
+:func:`checked_times` checks measured times for the simulators that learn from them.
 
 Everything is plain numpy, ``O(n^2)`` in time and memory per call: fine for the
 few thousand strategies a search scores and compares.
@@ -20,9 +22,24 @@ from typing import Sequence, Tuple, Union
 
 import numpy as np
 
-__all__ = ["fidelity_threshold", "kendall_tau", "pairwise_accuracy"]
+__all__ = ["checked_times", "fidelity_threshold", "kendall_tau", "pairwise_accuracy"]
 
 ArrayLike = Union[Sequence[float], np.ndarray]
+
+
+def checked_times(times: ArrayLike, count: int) -> np.ndarray:
+    """Measured seconds per iteration of ``count`` strategies, as float64.
+
+    Raises:
+        ValueError: when there are not ``count`` of them or one is not a finite number > 0.
+    """
+    array = np.asarray(times, dtype=np.float64)
+    if array.shape != (count,):
+        raise ValueError(f"Expected one measured time per sequence ({count}), "
+                         f"got shape {array.shape}.")
+    if not np.all(np.isfinite(array) & (array > 0)):
+        raise ValueError("Every measured time must be a finite number of seconds > 0.")
+    return array
 
 
 def _paired(a: ArrayLike, b: ArrayLike, names: Tuple[str, str]) -> Tuple[np.ndarray, np.ndarray]:

@@ -93,7 +93,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from autodist.simulator.fidelity import kendall_tau, pairwise_accuracy
+from autodist.simulator.fidelity import checked_times, kendall_tau, pairwise_accuracy
 from autodist.simulator.ranking_net import Normalization, ScoreNet
 from autodist.simulator.ranking_state import SimulatorStateError, read_state, write_state
 
@@ -417,12 +417,7 @@ class RankingSimulator:
             ValueError: malformed inputs, or no two trials with different times.
         """
         checked = self._check_sequences(sequences)
-        times = np.asarray(measured_times, dtype=np.float64)
-        if times.shape != (len(checked),):
-            raise ValueError(f"Expected one measured time per sequence ({len(checked)}), "
-                             f"got shape {times.shape}.")
-        if not np.all(np.isfinite(times) & (times > 0)):
-            raise ValueError("Every measured time must be a finite number of seconds > 0.")
+        times = checked_times(measured_times, len(checked))
         if epochs < 1 or batch_size < 2 or temperature <= 0:
             raise ValueError(f"Need epochs >= 1, batch_size >= 2 and temperature > 0; got "
                              f"{epochs}, {batch_size} and {temperature}.")

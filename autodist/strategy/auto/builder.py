@@ -9,8 +9,9 @@ its own steps) and returns the fastest measured. Everything it learns goes to
 * ``trials.jsonl``: every trial (strategy id, source, predicted, measured);
 * ``best.strategy``: the result, to reuse with ``Strategy.load``;
 * ``search.png``: best time so far and hit rate against trials;
-* ``simulator.npz``: the trained simulator, picked up again by the next search
-  on the same graph and cluster;
+* ``simulator.npz`` and ``calibration.json``: the trained simulator and the cost
+  model's weights refitted to the trials, picked up again by the next search on
+  the same graph and cluster;
 * ``trials/``: each trial's strategy, result and log.
 """
 from __future__ import annotations
@@ -21,15 +22,15 @@ import json
 import math
 import os
 import sys
-from typing import Optional
+from typing import Optional, Tuple
 
 from autodist.resource_spec import ResourceSpec
+from autodist.simulator.calibration import Calibration
 from autodist.simulator.features import FEATURE_NAMES, FEATURES_VERSION
 from autodist.simulator.ranking import RankingSimulator, SimulatorStateError
 from autodist.strategy import BUILDERS
 from autodist.strategy.auto.sampler import SamplerConstraints
-from autodist.strategy.auto.search import (SearchResult, StrategySearch, plot, prior_seconds,
-                                           write_log)
+from autodist.strategy.auto.search import SearchResult, StrategySearch, plot, write_log
 from autodist.strategy.auto.trial import ScriptRunner, check_seconds
 from autodist.strategy.base import Strategy, StrategyBuilder
 
@@ -148,14 +149,16 @@ def search_strategy(graph, resource_spec: ResourceSpec, runner: Optional[ScriptR
     """
     os.makedirs(settings.log_dir, exist_ok=True)
     simulator_path = os.path.join(settings.log_dir, "simulator.npz")
+    calibration_path = os.path.join(settings.log_dir, "calibration.json")
     key = _problem_key(graph, resource_spec)
+    simulator, calibration = _load_simulator(simulator_path, calibration_path, key)
     search = StrategySearch(graph, resource_spec, batch_size=settings.batch_size,
                             constraints=settings.constraints(), candidates=settings.candidates,
                             per_round=settings.per_round, seed=settings.seed,
-                            simulator=_load_simulator(simulator_path, key))
+                            simulator=simulator, calibration=calibration)
     if settings.trials == 0:
         best = search.best_predicted()
-        result = SearchResult(best, None, [], None, search.simulator)
+        result = SearchResult(best, None, [], None, search.simulator, search.calibration)
     else:
         builders = ({name: cls().build(graph, resource_spec) for name, cls in BUILDERS.items()}
                     if settings.with_builders else {})
@@ -182,6 +185,8 @@ def search_strategy(graph, resource_spec: ResourceSpec, runner: Optional[ScriptR
     result.best.save(os.path.join(settings.log_dir, "best.strategy"))
     if search.simulator.trained:
         search.simulator.save(simulator_path)
+        with open(calibration_path, "w") as target:
+            json.dump(result.calibration.to_json(), target, indent=1)
         with open(f"{simulator_path}.key", "w") as key_file:
             key_file.write(key)
     return result
@@ -220,13 +225,21 @@ def _problem_key(graph, resource_spec: ResourceSpec) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _load_simulator(path: str, key: str) -> Optional[RankingSimulator]:
-    """The saved simulator if it was trained on the same model and cluster."""
+def _load_simulator(path: str, calibration_path: str, key: str
+                    ) -> Tuple[Optional[RankingSimulator], Optional[Calibration]]:
+    """The saved simulator and calibration if they were trained on the same model and cluster.
+
+    Both or neither: the simulator's scores build on the calibration's prediction.
+    """
     try:
         with open(f"{path}.key") as key_file:
             if key_file.read().strip() != key:
-                return None
-        simulator = RankingSimulator.load(path, prior=prior_seconds)
-    except (OSError, SimulatorStateError):
-        return None
-    return simulator if simulator.config.num_features == len(FEATURE_NAMES) else None
+                return None, None
+        simulator = RankingSimulator.load(path)
+        with open(calibration_path) as source:
+            calibration = Calibration.from_json(json.load(source))
+    except (OSError, ValueError, KeyError, TypeError, SimulatorStateError):
+        return None, None
+    if simulator.config.num_features != len(FEATURE_NAMES):
+        return None, None
+    return simulator, calibration

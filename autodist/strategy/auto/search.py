@@ -12,7 +12,9 @@ Each round:
    greedily, trading a good score against being unlike every strategy picked
    or tried before;
 5. they run for real and their times are recorded;
-6. the simulator is retrained on every trial so far.
+6. the simulator is retrained on every trial so far: the cost model's component
+   weights are refitted to them (``calibration.py``), and the ranking network
+   learns, on top of that calibrated prediction, what a reweighting misses.
 
 The random picks are there for the simulator: it learns from the trials, and
 the trials of its own favourites only teach it about strategies like them, so
@@ -34,8 +36,9 @@ from typing import Callable, Collection, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from autodist.simulator.calibration import Calibration
 from autodist.simulator.cost_model import CostModel
-from autodist.simulator.features import FEATURE_NAMES, strategy_features
+from autodist.simulator.features import FEATURE_NAMES, cost_model_seconds, strategy_features
 from autodist.simulator.fidelity import fidelity_threshold
 from autodist.simulator.ranking import RankingSimulator
 from autodist.strategy.auto.sampler import SamplerConstraints, StrategySampler
@@ -50,7 +53,6 @@ EXPLORE_SHARE = 0.25
 # Columns that say how a variable is synchronized: what diversity compares.
 _CHOICE_COLUMNS = [FEATURE_NAMES.index(name) for name in
                    ("ps_share", "proxy_share", "log2_parts", "fp16_share", "log_shared_parts")]
-_TOTAL_MS = FEATURE_NAMES.index("log_total_ms")
 
 Measure = Callable[[Strategy], TrialResult]
 
@@ -93,6 +95,7 @@ class SearchResult:
     trials: List[TrialRecord]
     baseline_seconds: Optional[float]   # the best hand-written builder's time
     simulator: RankingSimulator
+    calibration: Calibration = dataclasses.field(default_factory=Calibration)
 
     @property
     def hit_rate(self) -> Optional[float]:
@@ -122,15 +125,18 @@ class StrategySearch:
             candidates rather than by score.
         seed: seed of the sampler.
         simulator: a simulator to continue from; a fresh one starting from the
-            cost model if None.
+            cost model if None. Its prior becomes the calibrated cost model.
         cost_model: the predefined cost model.
+        calibration: the cost model's calibration to continue from (saved with
+            ``simulator``); the cost model as it is if None.
     """
 
     def __init__(self, variables, resource_spec, *, batch_size: int = 32,
                  constraints: SamplerConstraints = SamplerConstraints(), candidates: int = 2000,
                  per_round: int = 4, explore_share: float = EXPLORE_SHARE, seed: int = 0,
                  simulator: Optional[RankingSimulator] = None,
-                 cost_model: Optional[CostModel] = None):
+                 cost_model: Optional[CostModel] = None,
+                 calibration: Optional[Calibration] = None):
         if not 0.0 <= explore_share <= 1.0:
             raise ValueError(f"explore_share must be within [0, 1], got {explore_share!r}.")
         self._variables = list(getattr(variables, "trainable_variables", variables))
@@ -142,8 +148,11 @@ class StrategySearch:
         self._explore_share = explore_share
         self._seed = seed
         self._cost_model = cost_model or CostModel()
-        self.simulator = simulator or RankingSimulator(len(FEATURE_NAMES), prior=prior_seconds,
-                                                       seed=seed)
+        self.calibration = calibration or Calibration()
+        self.simulator = simulator or RankingSimulator(len(FEATURE_NAMES), seed=seed,
+                                                       use_prior=True)
+        # The prior is looked up at every call, so it follows each refit of the calibration.
+        self.simulator.prior = lambda features: self.calibration.seconds(features)
 
     def features(self, strategy: Strategy) -> np.ndarray:
         return strategy_features(strategy, self._variables, self._spec,
@@ -171,12 +180,12 @@ class StrategySearch:
             RuntimeError: when every trial failed.
         """
         records: List[TrialRecord] = []
-        result = SearchResult(None, None, records, None, self.simulator)
+        result = SearchResult(None, None, records, None, self.simulator, self.calibration)
 
         def record(strategy, source, predicted, features):
             outcome = measure(strategy)
             entry = TrialRecord(len(records) + 1, strategy, source, predicted,
-                                prior_seconds(features), outcome, features)
+                                cost_model_seconds(features), outcome, features)
             records.append(entry)
             _update(result, entry)
             if on_trial is not None:
@@ -184,7 +193,7 @@ class StrategySearch:
 
         # The builders the cost model likes best open, within half the budget.
         seeds = sorted(((self.features(s), name, s) for name, s in (builders or {}).items()),
-                       key=lambda seed: prior_seconds(seed[0]))
+                       key=lambda seed: cost_model_seconds(seed[0]))
         for features, name, strategy in seeds[:max(1, trials // 2)]:
             record(strategy, f"builder:{name}", float(self.simulator.score([features])[0]),
                    features)
@@ -197,6 +206,7 @@ class StrategySearch:
             for strategy, source, score, features in picks:
                 record(strategy, source, score, features)
             self._retrain(records)
+        result.calibration = self.calibration
         if result.best is None:
             raise RuntimeError(f"Every one of the {len(records)} trials failed; the first: "
                                f"{records[0].result.error if records else 'none ran'}")
@@ -261,7 +271,9 @@ class StrategySearch:
         times = [r.result.seconds_per_step for r in measured]
         if len(measured) < 2 or max(times) <= min(times) * 1.01:
             return  # nothing to learn a ranking from yet
-        self.simulator.fit([r.features for r in measured], times)
+        features = [r.features for r in measured]
+        self.calibration = Calibration.fit(features, times)
+        self.simulator.fit(features, times)
 
 
 def _update(result: SearchResult, entry: TrialRecord) -> None:
@@ -278,11 +290,6 @@ def _update(result: SearchResult, entry: TrialRecord) -> None:
 def _searched(entry: TrialRecord) -> bool:
     """Whether the search picked the trial (at random or by score), not a builder opening it."""
     return not entry.source.startswith("builder:")
-
-
-def prior_seconds(features: np.ndarray) -> float:
-    """The cost model's prediction from a feature sequence (every row carries it)."""
-    return float(math.expm1(features[0, _TOTAL_MS]) / 1e3) if len(features) else 0.0
 
 
 def _signature(features: np.ndarray) -> np.ndarray:
