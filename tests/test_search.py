@@ -110,6 +110,10 @@ def test_the_next_search_on_the_same_problem_picks_up_simulator_and_calibration(
     candidates = StrategySearch(graph, spec, candidates=50, seed=5).candidates(0)
     features = [StrategySearch(graph, spec).features(c) for c in candidates]
     assert np.allclose(again.simulator.score(features), first.simulator.score(features))
+    # A continued search refits the calibration once it has enough trials of its own.
+    few = search_strategy(graph, spec, runner, dataclasses.replace(settings, trials=4,
+                                                                    with_builders=False))
+    assert len(few.trials) == 4 and few.calibration == first.calibration
     # Another cluster starts from the cost model.
     other = ResourceSpec.from_dict({"nodes": [
         {"address": f"10.123.0.{i + 1}", "cpus": [0], "chief": i == 0, "network_bandwidth": 1.0}

@@ -19,7 +19,10 @@ cross-validation among ``STRENGTHS``, infinity included: no reweighting, only
 ``c``, which leaves the cost model's ranking as it is. Of the strengths whose
 error is within one standard error of the lowest, the strongest is taken (the
 "one-standard-error rule"): the lowest of a few noisy errors is low partly by
-chance, and a reweighting should have to earn its place. A cluster whose trials
+chance, and a reweighting should have to earn its place. The errors are compared
+trial by trial (the standard error of the paired differences), since a trial the
+model cannot explain at any strength, such as a strategy whose step time jumps
+from run to run, inflates every strength's error alike. A cluster whose trials
 agree with the default weights therefore keeps them.
 
 The ranking network (``ranking.py``) then learns what a reweighting cannot
@@ -105,10 +108,9 @@ class Calibration:
         design = np.column_stack([parts, np.ones(len(y))]) / y[:, None]
         weight = np.mean(np.square(design[:, :-1]), axis=0)  # each component's share, squared
         errors = np.array([_loo_errors(design, target, _penalty(weight, s)) for s in STRENGTHS])
-        mean = errors.mean(axis=1)
-        lowest = int(np.argmin(mean))
-        bar = mean[lowest] + errors[lowest].std(ddof=1) / math.sqrt(len(y))
-        strength = STRENGTHS[max(np.flatnonzero(mean <= bar))]
+        excess = errors - errors[np.argmin(errors.mean(axis=1))]  # per trial, over the lowest
+        within = excess.mean(axis=1) <= excess.std(axis=1, ddof=1) / math.sqrt(len(y))
+        strength = STRENGTHS[max(np.flatnonzero(within))]
         shift = _solve(design, target, _penalty(weight, strength))
         return cls(dict(zip(COMPONENTS, (1.0 + shift[:-1]).tolist())), float(shift[-1]),
                    strength, len(y))

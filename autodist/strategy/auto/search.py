@@ -36,6 +36,7 @@ from typing import Callable, Collection, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from autodist.simulator.calibration import MIN_TRIALS as MIN_TRIALS_FOR_CALIBRATION
 from autodist.simulator.calibration import Calibration
 from autodist.simulator.cost_model import CostModel
 from autodist.simulator.features import FEATURE_NAMES, cost_model_seconds, strategy_features
@@ -272,7 +273,8 @@ class StrategySearch:
         if len(measured) < 2 or max(times) <= min(times) * 1.01:
             return  # nothing to learn a ranking from yet
         features = [r.features for r in measured]
-        self.calibration = Calibration.fit(features, times)
+        if len(measured) >= MIN_TRIALS_FOR_CALIBRATION:  # else the one it started with stands
+            self.calibration = Calibration.fit(features, times)
         self.simulator.fit(features, times)
 
 
