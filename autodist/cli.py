@@ -64,6 +64,8 @@ def _emulate_up(args: argparse.Namespace) -> int:
 
 
 def _emulate_down(args: argparse.Namespace) -> int:
+    with options_checked():
+        emulate.check_name(args.name)
     removed = emulate.down(args.name)
     if removed:
         print(f"Removed emulated cluster {args.name!r}: namespaces {', '.join(removed)}.")
@@ -93,7 +95,7 @@ def _add_emulate(subparsers: argparse._SubParsersAction) -> None:
 
     down = actions.add_parser("down", help="remove the cluster")
     down.add_argument("--name", default="ad", help="cluster name given to 'up' (default: ad)")
-    down.set_defaults(func=_emulate_down)
+    down.set_defaults(func=_emulate_down, usage_parser=down)
 
 
 SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {

@@ -163,6 +163,15 @@ def test_cli_refuses_bad_option_values_as_usage_errors(tmp_path, capsys, options
     assert not out.exists()
 
 
+def test_cli_down_refuses_a_bad_name_as_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["emulate", "down", "--name", "ad-h1"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith("autodist emulate down: error: ") and "'ad-h1' is invalid" in err
+    assert "Traceback" not in err
+
+
 # --- As root -------------------------------------------------------------------------------------
 
 @needs_root

@@ -219,7 +219,7 @@ def down(name: str = "ad") -> list[str]:
         ValueError: If ``name`` is not a valid cluster name.
         EmulationError: If not root, or a namespace exists but cannot be deleted.
     """
-    _check_name(name)
+    check_name(name)
     _require_root()
     removed = []
     for ns in _cluster_namespaces(name):
@@ -291,7 +291,7 @@ def check_arguments(num_nodes, bandwidth, name, cpus_per_node, latency) -> tuple
     Raises:
         ValueError: Naming the first argument out of range and its value.
     """
-    _check_name(name)
+    check_name(name)
     if not isinstance(num_nodes, int) or isinstance(num_nodes, bool) or not 1 <= num_nodes <= MAX_NODES:
         raise ValueError(f"num_nodes is {num_nodes!r}, but it must be an integer from 1 to {MAX_NODES}.")
     rates = [parse_rate(r) for r in _per_node(bandwidth, num_nodes, "bandwidth", (str, int, float))]
@@ -319,7 +319,8 @@ def _per_node(value, num_nodes: int, what: str, scalar: tuple[type, ...]) -> lis
     return values
 
 
-def _check_name(name: str) -> None:
+def check_name(name: str) -> None:
+    """Raises ``ValueError`` unless ``name`` is a valid cluster name."""
     if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise ValueError(f"Cluster name {name!r} is invalid; use 1 to 32 letters, digits or '_', e.g. 'ad'.")
 

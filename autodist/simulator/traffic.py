@@ -17,7 +17,9 @@ Traffic rules for a PS part on node ``D``, each replica's gradient ``g`` bytes
   read by a gather on its server, so only the touched rows travel, but a
   partitioned one is read whole, since the partitioner re-stitches its parts
   before the lookup. With a local proxy (``local_replication``, a staleness
-  bound or a split step) each remote node copies the whole part once.
+  bound or a split step) each remote node copies the whole part once: one
+  read feeds all the node's proxies, and TensorFlow's master cuts a graph by
+  worker, not by device, so the value crosses the network once per node.
 * staleness ``s`` refreshes proxies every ``s + 1`` steps, so pulls are divided
   by ``s + 1``; pushes are not, since every gradient is still applied.
 * replicas on ``D`` itself load ``D``'s local bus instead of its NIC.
