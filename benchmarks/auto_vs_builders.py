@@ -84,14 +84,14 @@ def run_setting(args) -> dict:
     setting = SETTINGS[args.setting]
     script = [os.path.join(HERE, "auto_models.py"), "--model", setting["model"], "--spec",
               args.spec, "--steps", "100000", "--batch", str(setting["batch"])]
-    runner = ScriptRunner(script, os.path.join(args.workdir, "trials"), spec_path=args.spec,
-                          timeout=900)
-    captured = runner.capture()
-    spec = ResourceSpec(args.spec)
     settings = SearchSettings(trials=args.trials, batch_size=setting["batch"],
-                              warmup=args.warmup, steps=args.steps,
+                              warmup=args.warmup, steps=args.steps, trial_timeout=900.0,
                               log_dir=os.path.join(args.workdir, "search"), seed=args.seed,
                               min_timed_seconds=args.min_timed_seconds)
+    runner = ScriptRunner(script, os.path.join(args.workdir, "trials"), spec_path=args.spec,
+                          timeout=settings.trial_timeout)
+    captured = runner.capture()
+    spec = ResourceSpec(args.spec)
     start = time.monotonic()
     result = search_strategy(captured, spec, runner, settings)
     search_seconds = time.monotonic() - start

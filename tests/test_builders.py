@@ -154,7 +154,7 @@ def test_every_builder_is_well_formed_and_pure(builder, spec):
 
 def test_registry():
     assert sorted(BUILDERS) == sorted(type(b).__name__ for b in ALL_BUILDERS)
-    assert isinstance(get_builder("PartitionedPS", staleness=2), StrategyBuilder)
+    assert isinstance(get_builder("PartitionedPS", sync=False, staleness=2), StrategyBuilder)
     with pytest.raises(ValueError, match="'Nope'.*PartitionedPS"):
         get_builder("Nope")
 
@@ -171,8 +171,11 @@ def test_ps_puts_everything_on_chief_cpu_with_settings():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"staleness": -1}, "staleness=-1"),
+    ({"staleness": -1}, "staleness must be an integer >= 0, got -1"),
     ({"sync": "yes"}, "sync='yes'"),
+    # Unbounded asynchrony is not built, and a staleness bound is not synchronous.
+    ({"sync": False}, "sync=False needs staleness >= 1"),
+    ({"staleness": 2}, "staleness=2 needs sync=False"),
     ({"local_proxy_variable": 1}, "local_proxy_variable=1"),
 ])
 def test_ps_argument_errors(kwargs, match):
@@ -253,7 +256,7 @@ def test_all_reduce_groups_by_chunk_and_enums():
 @pytest.mark.parametrize("kwargs, match", [
     ({"compressor": "Gzip"}, r"compressor='Gzip'.*HorovodCompressor"),
     ({"all_reduce_spec": "MPI"}, r"all_reduce_spec='MPI'.*NCCL"),
-    ({"chunk_size": 0}, "chunk_size=0"),
+    ({"chunk_size": 0}, "chunk_size must be an integer >= 1, got 0"),
 ])
 def test_all_reduce_argument_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -272,7 +275,7 @@ def test_partitioned_ar_counts_and_groups():
     assert [g for _, g in ar_groups(three)] == [i // 5 for i in range(38)]
     capped = PartitionedAR(num_partitions=10).build(GRAPH, ONE_NODE)
     assert parts_of(capped)["dense/bias"] == (0, 8) and parts_of(capped)["emb"] == (0, 10)
-    with pytest.raises(ValueError, match="num_partitions=0"):
+    with pytest.raises(ValueError, match="num_partitions must be an integer >= 1 or None, got 0"):
         PartitionedAR(num_partitions=0)
 
 

@@ -24,6 +24,14 @@ def test_a_device_outside_the_spec_is_named():
         compile_strategy(strategy, GRAPH, ONE_NODE)
 
 
+def test_a_synchronous_variable_with_a_staleness_bound_is_refused():
+    # Bounded staleness needs sync false; true with a bound would promise fresh reads.
+    strategy = AllReduce().build(GRAPH, ONE_NODE)
+    strategy.node_config_by_name()["step"].PSSynchronizer.staleness = 2
+    with pytest.raises(StrategyError, match="'step' has sync true and staleness 2"):
+        compile_strategy(strategy, GRAPH, ONE_NODE)
+
+
 def test_a_partitioner_that_does_not_fit_is_named():
     strategy = PartitionedPS().build(GRAPH, ONE_NODE)
     strategy.node_config_by_name()["emb"].partitioner = "2,2"

@@ -62,7 +62,8 @@ def _transformed(ctx: KernelContext, staleness: int = 0, all_reduced: tuple = ()
         models.dense_mlp(lambda: tf.compat.v1.train.GradientDescentOptimizer(0.1))
     item = GraphItem(graph, calls[0])
     spec = ResourceSpec.from_dict(SPEC)
-    strategy = PSLoadBalancing(local_proxy_variable=True, staleness=staleness).build(item, spec)
+    strategy = PSLoadBalancing(local_proxy_variable=True, sync=not staleness,
+                               staleness=staleness).build(item, spec)
     for index, node in enumerate(strategy.node_config):
         if node.var_name in all_reduced:
             strategy.node_config[index].CopyFrom(common.ar_node_config(node.var_name, 0))

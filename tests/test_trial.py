@@ -1,5 +1,6 @@
 """Trials: the README's example script captured and timed under candidate strategies."""
 import os
+import signal
 import socket
 import threading
 import time
@@ -117,3 +118,64 @@ def test_a_trial_waits_until_the_previous_jobs_ports_are_free(monkeypatch):
         assert time.monotonic() - start >= 1.0
         threading.Timer(1.0, listener.close).start()
         assert runtime.wait_until_tf_ports_free(spec, timeout=20.0)
+
+
+ENDS_WITHOUT_A_RESULT = """
+import os, sys, time
+with open(sys.argv[1], "w") as pid:
+    pid.write(str(os.getpid()))
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def _script(tmp_path, seconds: float) -> list:
+    """A script that writes its pid to ``pid`` and sleeps ``seconds`` without timing a step."""
+    script = tmp_path / "sleeps.py"
+    script.write_text(ENDS_WITHOUT_A_RESULT)
+    return [str(script), str(tmp_path / "pid"), str(seconds)]
+
+
+@pytest.mark.timeout(60)
+def test_an_earlier_searchs_result_file_is_not_taken_for_the_trials(tmp_path):
+    # A second search reuses log_dir/trials, whose trial-001.json is the first search's.
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "trial-001.json").write_text('{"seconds_per_step": 0.1}')
+    result = ScriptRunner(_script(tmp_path, 0), str(work)).trial(Strategy(), warmup=1, steps=1)
+    assert not result.ok and "ended before 2 steps" in result.error
+
+
+class _Interrupted(Exception):
+    pass
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupted_trial_stops_its_job(tmp_path):
+    # The job runs in a session of its own, so Ctrl-C at the terminal reaches the search only.
+    def interrupt(signum, frame):
+        raise _Interrupted()
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 3.0)
+    try:
+        with pytest.raises(_Interrupted):
+            ScriptRunner(_script(tmp_path, 1000), str(tmp_path / "work")).trial(Strategy())
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    with pytest.raises(ProcessLookupError):
+        os.kill(int((tmp_path / "pid").read_text()), 0)
+
+
+@pytest.mark.timeout(60)
+def test_a_capture_that_times_out_says_so(tmp_path):
+    runner = ScriptRunner(_script(tmp_path, 1000), str(tmp_path / "work"), timeout=1.0)
+    with pytest.raises(RuntimeError, match="timed out after 1 s before it created a session"):
+        runner.capture()
+
+
+@pytest.mark.parametrize("field", ["warmup", "steps"])
+def test_trial_settings_refuse_fewer_than_one_step(field):
+    # With no warm-up step the timer would never start.
+    with pytest.raises(ValueError, match=f"{field} must be an integer >= 1, got 0"):
+        trial.TrialSettings(**{"strategy": "s", "result": "r", field: 0})

@@ -2,8 +2,8 @@
 
 The default weights (``CostWeights``) come from the benchmark clusters. On the
 cluster at hand a component can weigh more or less: on the mlp setting of
-``docs/benchmarks.md`` a serving node cost nothing extra and a PS part about ten
-times its default. The cost model's structure stays; a calibration multiplies
+``docs/benchmarks.md`` a serving node cost about half its default and a PS part
+about fifteen times its default. The cost model's structure stays; a calibration multiplies
 each component's seconds by a factor of its own and adds a constant, the compute
 time the model leaves out::
 

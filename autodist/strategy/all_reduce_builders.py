@@ -24,7 +24,7 @@ class ARConfig:
 
     def __init__(self, chunk_size: int = 128, all_reduce_spec: str = "AUTO",
                  compressor: str = "NoneCompressor"):
-        common.check_positive_int("chunk_size", chunk_size)
+        common.check_int("chunk_size", chunk_size)
         common.ar_spec_value(all_reduce_spec)
         common.ar_compressor_value(compressor)
         self.chunk_size = int(chunk_size)
@@ -92,7 +92,7 @@ class PartitionedAR(StrategyBuilder):
 
     def __init__(self, chunk_size: int = 128, num_partitions: Optional[int] = None,
                  all_reduce_spec: str = "AUTO", compressor: str = "NoneCompressor"):
-        common.check_positive_int("num_partitions", num_partitions, allow_none=True)
+        common.check_int("num_partitions", num_partitions, allow_none=True)
         self._ar = ARConfig(chunk_size, all_reduce_spec, compressor)
         self._num_partitions = num_partitions
 

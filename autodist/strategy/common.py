@@ -27,30 +27,40 @@ _AR = synchronizers_pb2.AllReduceSynchronizer
 def check_sync_args(sync: bool, staleness: int) -> None:
     """Validates the PS synchronization arguments.
 
-    ``sync=False`` means asynchronous training bounded by ``staleness``; both
-    values are stored as given.
+    ``sync=True`` (staleness 0) is synchronous training; ``sync=False`` with
+    ``staleness=s >= 1`` lets replicas read values up to ``s`` updates old.
+    Asynchronous training without a bound is not supported, so each value
+    needs the other.
 
     Raises:
-        ValueError: if ``sync`` is not a bool or ``staleness`` is not a
-            non-negative int.
+        ValueError: if ``sync`` is not a bool, ``staleness`` is not an int >= 0,
+            or the two disagree.
     """
     if not isinstance(sync, bool):
         raise ValueError(f"sync must be a bool, got sync={sync!r}.")
-    if isinstance(staleness, bool) or not isinstance(staleness, numbers.Integral) or staleness < 0:
-        raise ValueError(f"staleness must be an int >= 0, got staleness={staleness!r}.")
+    check_int("staleness", staleness, least=0)
+    if sync and staleness:
+        raise ValueError(f"staleness={staleness} needs sync=False: synchronous training reads "
+                         "every update; pass sync=False for bounded staleness.")
+    if not sync and not staleness:
+        raise ValueError("sync=False needs staleness >= 1: asynchronous training without a "
+                         "bound is not supported; staleness=s lets replicas read values up to "
+                         "s updates old.")
 
 
-def check_positive_int(name: str, value: Optional[int], allow_none: bool = False) -> None:
-    """Validates an int >= 1 argument such as ``chunk_size`` or ``num_partitions``.
+def check_int(name: str, value: Optional[int], least: int = 1, allow_none: bool = False) -> None:
+    """Validates an integer argument such as ``chunk_size``, ``staleness`` or ``trials``.
 
     Raises:
-        ValueError: naming ``name`` and ``value`` when invalid.
+        ValueError: naming ``name`` and ``value`` when ``value`` is not an
+            integer >= ``least`` (nor None, with ``allow_none``); a bool is not
+            a count here.
     """
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
         suffix = " or None" if allow_none else ""
-        raise ValueError(f"{name} must be an int >= 1{suffix}, got {name}={value!r}.")
+        raise ValueError(f"{name} must be an integer >= {least}{suffix}, got {value!r}.")
 
 
 def _enum_value(enum, field: str, name: str) -> int:

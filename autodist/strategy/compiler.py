@@ -147,6 +147,10 @@ def _synchronizer(node, devices: set, strategy_id: str) -> Synchronizer:
         if sync.staleness < 0:
             raise StrategyError(f"Strategy {strategy_id}: '{node.var_name}' has staleness "
                                 f"{sync.staleness}; it must be 0 or more.")
+        if sync.sync and sync.staleness:
+            raise StrategyError(f"Strategy {strategy_id}: '{node.var_name}' has sync true and "
+                                f"staleness {sync.staleness}; bounded staleness needs sync "
+                                "false.")
     elif sync.group < 0:
         raise StrategyError(f"Strategy {strategy_id}: '{node.var_name}' has group "
                             f"{sync.group}; it must be 0 or more.")

@@ -18,14 +18,15 @@ class Parallax(StrategyBuilder):
 
     Args:
         chunk_size: dense variables per all-reduce group.
-        local_proxy_variable: keep a local proxy copy of each sparse variable per node.
-        sync: synchronous PS training; False for asynchronous with ``staleness``.
-        staleness: bound on how stale a replica's read of a PS variable may be.
+        local_proxy_variable: give each replica a local proxy copy of each sparse variable.
+        sync: synchronous PS training; False (with ``staleness`` >= 1) for bounded staleness.
+        staleness: how many updates old a replica's read of a PS variable may be; needs
+            ``sync=False``.
         all_reduce_spec: an ``AllReduceSynchronizer.Spec`` name.
         compressor: an ``AllReduceSynchronizer.Compressor`` name.
 
     Raises:
-        ValueError: for a bad ``chunk_size``, ``staleness`` or enum name.
+        ValueError: for a bad ``chunk_size``, ``sync``/``staleness`` pair or enum name.
     """
 
     def __init__(self, chunk_size: int = 128, local_proxy_variable: bool = False,

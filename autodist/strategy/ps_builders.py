@@ -13,13 +13,13 @@ class PSConfig:
     """PS synchronization settings shared by the PS-based builders.
 
     Args:
-        local_proxy_variable: keep a local proxy copy of each variable per node.
-        sync: synchronous training; with False, training is asynchronous and
-            bounded by ``staleness``.
-        staleness: how many updates old a replica's read may be.
+        local_proxy_variable: give each replica a local proxy copy of each variable.
+        sync: synchronous training; False (with ``staleness`` >= 1) for bounded staleness.
+        staleness: how many updates old a replica's read may be; needs ``sync=False``.
 
     Raises:
-        ValueError: if ``sync`` is not a bool or ``staleness`` is negative.
+        ValueError: if ``sync`` is not a bool, ``staleness`` is negative, or
+            the two disagree (see :func:`common.check_sync_args`).
     """
 
     def __init__(self, local_proxy_variable: bool = False, sync: bool = True, staleness: int = 0):
@@ -111,9 +111,9 @@ class PS(_PSBuilder):
     """Every variable, whole, on the chief's CPU (``ps_devices[0]``).
 
     Args:
-        local_proxy_variable: keep a local proxy copy of each variable per node.
-        sync: synchronous training; False for asynchronous with ``staleness``.
-        staleness: bound on how stale a replica's read may be.
+        local_proxy_variable: give each replica a local proxy copy of each variable.
+        sync: synchronous training; False (with ``staleness`` >= 1) for bounded staleness.
+        staleness: how many updates old a replica's read may be; needs ``sync=False``.
     """
 
     def _node_configs(self, variables, ps_devices):

@@ -33,16 +33,7 @@ from autodist.strategy.auto.sampler import SamplerConstraints
 from autodist.strategy.auto.search import SearchResult, StrategySearch, plot, write_log
 from autodist.strategy.auto.trial import ScriptRunner, check_seconds
 from autodist.strategy.base import Strategy, StrategyBuilder
-
-
-def check_count(name: str, value: int, least: int) -> None:
-    """Refuses a count that is not an integer >= ``least``.
-
-    Raises:
-        ValueError: naming ``name`` and ``value``; a bool is not a count here.
-    """
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}.")
+from autodist.strategy.common import check_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +65,7 @@ class SearchSettings:
         # and the benchmarks refuse the same values.
         for name, least in (("trials", 0), ("candidates", 1), ("per_round", 1),
                             ("batch_size", 1), ("warmup", 1), ("steps", 1)):
-            check_count(name, getattr(self, name), least)
+            check_int(name, getattr(self, name), least)
         check_seconds("trial_timeout", self.trial_timeout)
         check_seconds("min_timed_seconds", self.min_timed_seconds, zero_ok=True)
 

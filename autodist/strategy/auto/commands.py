@@ -59,14 +59,15 @@ def _explain(args: argparse.Namespace) -> int:
     from autodist.resource_spec import ResourceSpec
     from autodist.simulator import CostModel, format_breakdown
     from autodist.strategy import Strategy
-    from autodist.strategy.auto.builder import SearchSettings, check_count
+    from autodist.strategy.auto.builder import SearchSettings
+    from autodist.strategy.common import check_int
     from autodist.strategy.compiler import compile_strategy
     import tempfile
 
     with options_checked():
         # The options shared with search (see _common) are checked where search checks them.
         SearchSettings(batch_size=args.batch_size, trial_timeout=args.trial_timeout)
-        check_count("top", args.top, 0)
+        check_int("top", args.top, least=0)
     with tempfile.TemporaryDirectory() as workdir:
         runner = _runner(args, workdir)
         strategy = Strategy.load(args.strategy)

@@ -85,7 +85,7 @@ class SamplerConstraints:
             raise ValueError(
                 "SamplerConstraints: need 2 <= min_partitions <= max_partitions, got "
                 f"min_partitions={self.min_partitions!r}, max_partitions={self.max_partitions!r}.")
-        common.check_positive_int("max_groups", self.max_groups, allow_none=True)
+        common.check_int("max_groups", self.max_groups, allow_none=True)
         common.check_sync_args(True, self.max_staleness)
 
 
@@ -204,7 +204,7 @@ class StrategySampler:
         Returns:
             list[Strategy]: the samples, in draw order (duplicates possible).
         """
-        common.check_positive_int("count", count)
+        common.check_int("count", count)
         rng = random.Random(seed)
         return [self.sample(rng) for _ in range(count)]
 

@@ -30,6 +30,7 @@ from autodist.cluster import runtime
 from autodist.graph_item import VariableInfo
 from autodist.resource_spec import ResourceSpec
 from autodist.strategy.base import Strategy
+from autodist.strategy.common import check_int
 
 CAPTURE_ENV = "AUTODIST_CAPTURE"
 TRIAL_ENV = "AUTODIST_TRIAL"
@@ -69,6 +70,11 @@ class TrialSettings:
     result: str
     warmup: int = 3
     steps: int = 10
+
+    def __post_init__(self) -> None:
+        # The timer starts at the end of the last warm-up step: with none it never would.
+        check_int("warmup", self.warmup)
+        check_int("steps", self.steps)
 
     def to_env(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -180,8 +186,10 @@ class ScriptRunner:
             os.remove(path)
         code, log = self._run({CAPTURE_ENV: path}, "capture", self._timeout)
         if not os.path.exists(path):
-            raise RuntimeError(f"Running {self._argv} to read its graph failed (exit code "
-                               f"{code}) before it created a session; see {log}.")
+            how = (f"timed out after {self._timeout:.0f} s" if code is None
+                   else f"failed (exit code {code})")
+            raise RuntimeError(f"Running {self._argv} to read its graph {how} before it "
+                               f"created a session; see {log}.")
         with open(path) as source:
             data = json.load(source)
         variables = [VariableInfo(**dict(v, shape=tuple(v["shape"]))) for v in data["variables"]]
@@ -196,10 +204,16 @@ class ScriptRunner:
                                                                      f"{name}.strategy")),
                                  result=os.path.join(self._workdir, f"{name}.json"),
                                  warmup=warmup, steps=steps)
-        start = time.monotonic()
+        if os.path.exists(settings.result):  # an earlier search's, in a reused workdir
+            os.remove(settings.result)
         spec = self._spec_path or self._script_spec
-        if spec and os.path.isfile(spec):  # not the embedded one-node default
-            runtime.wait_until_tf_ports_free(ResourceSpec(spec), PORTS_FREE_TIMEOUT_S)
+        # A spec gone missing is the script's own error to report, in its log.
+        if spec and os.path.isfile(spec) and not runtime.wait_until_tf_ports_free(
+                ResourceSpec(spec), PORTS_FREE_TIMEOUT_S):
+            return TrialResult(None, f"a node of {spec} still listened on the TensorFlow port "
+                                     f"{runtime.tf_port()} after {PORTS_FREE_TIMEOUT_S:.0f} s; "
+                                     "is a previous job still running?")
+        start = time.monotonic()
         timeout = self._trial_timeout()
         code, log = self._run({TRIAL_ENV: settings.to_env()}, name, timeout)
         wall = time.monotonic() - start
@@ -234,6 +248,11 @@ class ScriptRunner:
             except subprocess.TimeoutExpired:
                 _stop(process)
                 return None, log_path
+            except BaseException:
+                # Ctrl-C or an error ends the search. The job runs in a session of its
+                # own, which the terminal's SIGINT never reaches: stop it, or it trains on.
+                _stop(process)
+                raise
 
 
 def _stop(process: subprocess.Popen) -> None:
