@@ -212,6 +212,24 @@ def test_explain_names_a_missing_script(tmp_path, capsys):
     assert "nope.py' does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["search", "explain"])
+def test_a_command_names_a_bad_spec_before_running_the_script(tmp_path, capsys, command):
+    from autodist import cli
+    script, ran, log_dir = tmp_path / "train.py", tmp_path / "ran", tmp_path / "log"
+    script.write_text(f"open({str(ran)!r}, 'w').close()\n")
+    strategy = tmp_path / "s.strategy"
+    BUILDERS["PS"]().build(synthetic_graph(2), heterogeneous_cluster()).save(str(strategy))
+    spec = tmp_path / "cluster.yml"
+    spec.write_text("nodes: []\n")
+    where = {"search": [str(script), "--log-dir", str(log_dir)],
+             "explain": [str(strategy), "--script", str(script)]}[command]
+    assert cli.main([command, *where, "--spec", str(spec)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"autodist {command}: error: ") and str(spec) in err
+    assert "Traceback" not in err
+    assert not ran.exists() and not log_dir.exists()
+
+
 @pytest.mark.parametrize("command, option, value, message", [
     ("search", "--min-timed-seconds", "-1", "min_timed_seconds must be a finite number of seconds "
                                             ">= 0, got -1.0."),

@@ -15,9 +15,13 @@ from autodist.usage import options_checked
 
 
 def _runner(args: argparse.Namespace, workdir: str):
+    """The script's runner, once the script and ``--spec`` are known to be usable."""
+    from autodist.resource_spec import ResourceSpec
     from autodist.strategy.auto.trial import ScriptRunner
     if not os.path.isfile(args.script):
         raise ValueError(f"The training script '{args.script}' does not exist.")
+    if args.spec:
+        ResourceSpec(args.spec)  # a bad spec is named here, not in the script's log
     return ScriptRunner([args.script, *args.passthrough], workdir, spec_path=args.spec,
                         timeout=args.trial_timeout)
 
