@@ -135,9 +135,8 @@ class AutoDist:
         if role.is_chief:
             strategy = self._build_strategy(item)
             compiled = compile_strategy(strategy, item, spec)
-            worker_env = {trial.TRIAL_ENV: self._trial.to_env()} if self._trial else {}
             peer = runtime.ChiefCoordinator(spec, strategy, item.fingerprint,
-                                            worker_env=worker_env)
+                                            worker_env=trial.worker_env(self._trial))
             peer.start()
             monitor = peer.check_workers
         else:

@@ -179,3 +179,21 @@ def test_trial_settings_refuse_fewer_than_one_step(field):
     # With no warm-up step the timer would never start.
     with pytest.raises(ValueError, match=f"{field} must be an integer >= 1, got 0"):
         trial.TrialSettings(**{"strategy": "s", "result": "r", field: 0})
+
+
+def test_a_trials_workers_reached_over_ssh_get_its_settings_and_spec(monkeypatch):
+    # ssh passes no environment on: without these the worker would run the
+    # script's own spec and builder.
+    from autodist.cluster import launcher
+    monkeypatch.setenv(trial.SPEC_ENV, "/jobs/search.yml")
+    settings = trial.TrialSettings(strategy="/jobs/t.strategy", result="/jobs/t.json")
+    env = trial.worker_env(settings)
+    assert env == {trial.TRIAL_ENV: settings.to_env(), trial.SPEC_ENV: "/jobs/search.yml"}
+    spec = ResourceSpec.from_dict({"nodes": [{"address": "10.0.0.1", "chief": True},
+                                             {"address": "10.0.0.2", "ssh_config": "c"}],
+                                   "ssh": {"c": {"username": "u"}}})
+    command = launcher.worker_command(spec.node("10.0.0.2"), spec.ssh_configs["c"], env,
+                                      ["train.py"], "/jobs")
+    assert "AUTODIST_RESOURCE_SPEC=/jobs/search.yml" in command[-1]
+    monkeypatch.delenv(trial.SPEC_ENV)
+    assert trial.worker_env(None) == {}

@@ -85,6 +85,18 @@ class TrialSettings:
         return cls(**json.loads(raw)) if raw else None
 
 
+def worker_env(settings: Optional[TrialSettings]) -> dict:
+    """What a trial's chief hands its workers: the trial and the spec the search runs on.
+
+    Passed explicitly, since a worker reached over ssh inherits no environment
+    and would otherwise run the script's own spec and builder.
+    """
+    env = {TRIAL_ENV: settings.to_env()} if settings else {}
+    if SPEC_ENV in os.environ:
+        env[SPEC_ENV] = os.environ[SPEC_ENV]
+    return env
+
+
 class TrialFinished(SystemExit):
     """Ends a trial job's process normally once its steps are timed."""
 
