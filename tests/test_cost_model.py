@@ -431,3 +431,18 @@ def test_the_simulator_and_sampler_import_without_tensorflow():
     code = ("import sys, autodist.simulator, autodist.strategy.auto; "
             "sys.exit('tensorflow' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_fp16_features_count_only_the_parts_that_travel_compressed():
+    # Sparse gradients of a compressed group are gathered in their own dtype.
+    from autodist.simulator.features import FEATURE_NAMES, strategy_features
+    cluster = spec((A, 1, None), (B, 1, None))
+    variables = [vec("dense"), vec("emb", sparse_grad=True)]
+    strategy = strategy_of(cluster, *(common.ar_node_config(v.name, 0,
+                                                            compressor="HorovodCompressorEF")
+                                      for v in variables))
+    table = strategy_features(strategy, variables, cluster, batch_size=10)
+    fp16, error_feedback = (FEATURE_NAMES.index(n) for n in ("fp16_share",
+                                                             "error_feedback_share"))
+    assert table[:, fp16].tolist() == [1.0, 0.0]
+    assert table[:, error_feedback].tolist() == [1.0, 0.0]

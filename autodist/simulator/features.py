@@ -24,11 +24,12 @@ FEATURE_NAMES = (
 _FIRST_COMPONENT_COLUMN = FEATURE_NAMES.index(f"{COMPONENTS[0]}_ms")
 _TOTAL_MS = FEATURE_NAMES.index("log_total_ms")
 
-FEATURES_VERSION = 7
+FEATURES_VERSION = 8
 """Changes when a feature's meaning does (2: PS pushes and pulls add up as phases; 3: the
 serving-node and split-step components; 4: proxy refreshes overlap pushes; 5: a collective
 per dtype of an all-reduce group; 6: the optimizer-update component; 7: the all-reduce
-part-overhead component), so that a simulator saved for the old features is not reused."""
+part-overhead component; 8: sparse parts never count as fp16), so that a simulator saved
+for the old features is not reused."""
 
 
 def strategy_features(strategy: Any, variables: Any, resource_spec: Any, *, batch_size: int,
@@ -67,8 +68,10 @@ def strategy_features(strategy: Any, variables: Any, resource_spec: Any, *, batc
     table[:, 5] = per_row(ps)
     table[:, 6] = per_row(parts.proxy)
     np.maximum.at(table[:, 7], row, parts.staleness)
-    table[:, 8] = per_row(~ps & (parts.compressor != 0))
-    table[:, 9] = per_row(~ps & (parts.compressor == 2))
+    # Sparse gradients are gathered uncompressed, whatever their group's compressor.
+    compressed = ~ps & ~parts.sparse
+    table[:, 8] = per_row(compressed & (parts.compressor != 0))
+    table[:, 9] = per_row(compressed & (parts.compressor == 2))
     counts = np.bincount(row, minlength=len(table))
     table[:, 10] = counts
     ring_gbps = charges.cluster.ring_gbps()
