@@ -51,7 +51,6 @@ class Normalization:
         log_columns: columns put through ``log1p`` first.
         mean: per-column mean after the log, shape ``[num_features]``.
         std: per-column standard deviation after the log (1 for constant columns).
-        stride: variables pooled into one GRU step.
         linear_scale: per-column divisor of the linear copy of the log
             columns (their mean absolute value; 1 elsewhere).
         stride: variables pooled into one GRU step.

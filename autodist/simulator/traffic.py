@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Dict, List, Mapping, NamedTuple, Tuple
+from typing import Any, Dict, List, Mapping, NamedTuple, Sequence, Tuple
 
 import numpy as np
 
@@ -83,7 +83,7 @@ def _num_elements(shape) -> int:
     return math.prod(map(int, shape))
 
 
-def sparse_grad_bytes(var_shape, part_shape, axis: int, dtype: str, rows_touched: float) -> float:
+def sparse_grad_bytes(var_shape: Sequence[int], part_shape: Sequence[int], axis: int, dtype: str, rows_touched: float) -> float:
     """Bytes of one replica's sparse gradient of one part.
 
     Row ids are assumed uniform: a part holding a share of the rows (split
@@ -134,7 +134,7 @@ class ClusterView:
         return self.local_gbps if direction == "local" else self.nic_gbps[node]
 
 
-def cluster_view(replicas, resource_spec: Any, local_gbps: float) -> ClusterView:
+def cluster_view(replicas: Sequence[str], resource_spec: Any, local_gbps: float) -> ClusterView:
     """Builds the view of the replica devices ``replicas`` on ``resource_spec``.
 
     A node without a ``network_bandwidth`` gets ``DEFAULT_BANDWIDTH_GBPS``.
@@ -253,7 +253,7 @@ def _columns(infos: List[Any], names: List[str], records: List[tuple],
                      table[:, 9].astype(np.int64), table[:, 10].astype(np.int64), dtype[row])
 
 
-def sync_parts(strategy: Any, variables, batch_size: int,
+def sync_parts(strategy: Any, variables: Sequence[Any], batch_size: int,
                rows_touched: Mapping[str, float]) -> Tuple[SyncParts, Any]:
     """Lists the synchronized parts of a strategy with their bytes.
 

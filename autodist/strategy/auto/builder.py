@@ -22,7 +22,7 @@ import json
 import math
 import os
 import sys
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 from autodist.resource_spec import ResourceSpec
 from autodist.simulator.calibration import Calibration
@@ -125,7 +125,7 @@ class AutoStrategy(StrategyBuilder):
         return search_strategy(graph_item, resource_spec, runner, self.settings).best
 
 
-def search_strategy(graph, resource_spec: ResourceSpec, runner: Optional[ScriptRunner],
+def search_strategy(graph: Any, resource_spec: ResourceSpec, runner: Optional[ScriptRunner],
                     settings: SearchSettings) -> SearchResult:
     """Runs a search and writes its results to ``settings.log_dir``.
 

@@ -86,7 +86,7 @@ class SamplerConstraints:
                 "SamplerConstraints: need 2 <= min_partitions <= max_partitions, got "
                 f"min_partitions={self.min_partitions!r}, max_partitions={self.max_partitions!r}.")
         common.check_int("max_groups", self.max_groups, allow_none=True)
-        common.check_sync_args(True, self.max_staleness)
+        common.check_int("max_staleness", self.max_staleness, least=0)
 
 
 class _Plan(NamedTuple):

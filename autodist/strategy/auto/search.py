@@ -32,13 +32,13 @@ import dataclasses
 import json
 import math
 import os
-from typing import Callable, Collection, Dict, List, Optional, Sequence
+from typing import Any, Callable, Collection, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from autodist.resource_spec import ResourceSpec
 from autodist.simulator.calibration import MIN_TRIALS as MIN_TRIALS_FOR_CALIBRATION
 from autodist.simulator.calibration import Calibration
-from autodist.simulator.cost_model import CostModel
 from autodist.simulator.features import FEATURE_NAMES, cost_model_seconds, strategy_features
 from autodist.simulator.fidelity import fidelity_threshold
 from autodist.simulator.ranking import RankingSimulator
@@ -78,7 +78,7 @@ class TrialRecord:
     predicted: float
     cost_model: float
     result: TrialResult
-    features: np.ndarray = dataclasses.field(repr=False, default=None)
+    features: Optional[np.ndarray] = dataclasses.field(repr=False, default=None)
 
     def to_json(self) -> dict:
         return {"trial": self.index, "strategy_id": self.strategy.id, "source": self.source,
@@ -127,16 +127,14 @@ class StrategySearch:
         seed: seed of the sampler.
         simulator: a simulator to continue from; a fresh one starting from the
             cost model if None. Its prior becomes the calibrated cost model.
-        cost_model: the predefined cost model.
         calibration: the cost model's calibration to continue from (saved with
             ``simulator``); the cost model as it is if None.
     """
 
-    def __init__(self, variables, resource_spec, *, batch_size: int = 32,
+    def __init__(self, variables: Any, resource_spec: ResourceSpec, *, batch_size: int = 32,
                  constraints: SamplerConstraints = SamplerConstraints(), candidates: int = 2000,
                  per_round: int = 4, explore_share: float = EXPLORE_SHARE, seed: int = 0,
                  simulator: Optional[RankingSimulator] = None,
-                 cost_model: Optional[CostModel] = None,
                  calibration: Optional[Calibration] = None):
         if not 0.0 <= explore_share <= 1.0:
             raise ValueError(f"explore_share must be within [0, 1], got {explore_share!r}.")
@@ -148,7 +146,6 @@ class StrategySearch:
         self._per_round = per_round
         self._explore_share = explore_share
         self._seed = seed
-        self._cost_model = cost_model or CostModel()
         self.calibration = calibration or Calibration()
         self.simulator = simulator or RankingSimulator(len(FEATURE_NAMES), seed=seed,
                                                        use_prior=True)
@@ -157,11 +154,11 @@ class StrategySearch:
 
     def features(self, strategy: Strategy) -> np.ndarray:
         return strategy_features(strategy, self._variables, self._spec,
-                                 batch_size=self._batch_size, cost_model=self._cost_model)
+                                 batch_size=self._batch_size)
 
-    def best_predicted(self, round_index: int = 0) -> Strategy:
+    def best_predicted(self) -> Strategy:
         """The candidate the simulator likes best, with no trial at all."""
-        candidates = self.candidates(round_index)
+        candidates = self.candidates(0)
         scores = self.simulator.score([self.features(c) for c in candidates])
         return candidates[int(np.argmin(scores))]
 
@@ -174,7 +171,8 @@ class StrategySearch:
             measure: runs a strategy for real.
             trials: the budget, builder trials included.
             builders: hand-written strategies (name -> strategy) to measure first,
-                those the cost model predicts fastest first, at most half the budget.
+                those the cost model predicts fastest first, within half the budget
+                (but at least one).
             on_trial: called after every trial (progress, logs).
 
         Raises:
@@ -198,6 +196,7 @@ class StrategySearch:
         for features, name, strategy in seeds[:max(1, trials // 2)]:
             record(strategy, f"builder:{name}", float(self.simulator.score([features])[0]),
                    features)
+        self._retrain(records)  # the first round already learns from the builders' trials
         round_index = 0
         while len(records) < trials:
             picks = self._pick(round_index, records, min(self._per_round, trials - len(records)))
