@@ -106,6 +106,30 @@ def test_a_trial_far_slower_than_earlier_ones_is_stopped_as_a_hang(tmp_path, mon
         os.kill(hung, 0)
 
 
+SLOWER_ON_SECOND_RUN = """
+import json, os, sys, time
+settings = json.loads(os.environ["AUTODIST_TRIAL"])
+with open(sys.argv[1], "a") as runs:
+    runs.write("run\\n")
+if len(open(sys.argv[1]).read().split()) > 1:
+    time.sleep(5)
+with open(settings["result"], "w") as result:
+    json.dump({"seconds_per_step": 0.5}, result)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_hang_bound_grows_with_the_steps_a_trial_times(tmp_path, monkeypatch):
+    # min_timed_seconds can ask later trials for many more steps than the first timed.
+    monkeypatch.setattr(trial, "HANG_FLOOR_S", 3.0)
+    script = tmp_path / "slower.py"
+    script.write_text(SLOWER_ON_SECOND_RUN)
+    runner = ScriptRunner([str(script), str(tmp_path / "runs")], str(tmp_path / "work"))
+    assert runner.trial(Strategy(), warmup=1, steps=2).ok
+    longer = runner.trial(Strategy(), warmup=1, steps=3000)
+    assert longer.ok, longer.error
+
+
 def test_a_trial_waits_until_the_previous_jobs_ports_are_free(monkeypatch):
     with socket.socket() as listener:
         listener.bind(("127.0.0.2", 0))

@@ -168,7 +168,8 @@ class ScriptRunner:
         workdir: where strategies, results and logs of the trials go.
         spec_path: the resource spec the script must use (overrides its own).
         timeout: seconds a single run may take; after a successful trial, at most
-            ``HANG_FACTOR`` times the slowest success (but ``HANG_FLOOR_S`` or more).
+            ``HANG_FACTOR`` times the slowest success per step, times the run's
+            steps (but ``HANG_FLOOR_S`` or more).
 
     Raises:
         ValueError: when ``timeout`` is not a finite number > 0 (at 0 every run
@@ -183,7 +184,7 @@ class ScriptRunner:
         self._spec_path = spec_path
         self._timeout = timeout
         self._script_spec = None   # the script's own spec, read by capture()
-        self._slowest_success = 0.0
+        self._slowest_success = 0.0  # the longest wall time of a success per step run
         self._runs = 0
         os.makedirs(workdir, exist_ok=True)
 
@@ -226,11 +227,11 @@ class ScriptRunner:
                                      f"{runtime.tf_port()} after {PORTS_FREE_TIMEOUT_S:.0f} s; "
                                      "is a previous job still running?")
         start = time.monotonic()
-        timeout = self._trial_timeout()
+        timeout = self._trial_timeout(warmup + steps)
         code, log = self._run({TRIAL_ENV: settings.to_env()}, name, timeout)
         wall = time.monotonic() - start
         if code == 0 and os.path.exists(settings.result):
-            self._slowest_success = max(self._slowest_success, wall)
+            self._slowest_success = max(self._slowest_success, wall / (warmup + steps))
             with open(settings.result) as source:
                 return TrialResult(json.load(source)["seconds_per_step"], wall_seconds=wall)
         if code is None:
@@ -240,10 +241,13 @@ class ScriptRunner:
                                      f"see {log}", wall)
         return TrialResult(None, f"exit code {code}; see {log}", wall)
 
-    def _trial_timeout(self) -> float:
+    def _trial_timeout(self, steps: int) -> float:
+        # Per step, since later trials may time more steps (min_timed_seconds); the
+        # start-up share of the wall time then makes the bound only more lenient.
         if not self._slowest_success:
             return self._timeout
-        return min(self._timeout, max(HANG_FLOOR_S, HANG_FACTOR * self._slowest_success))
+        return min(self._timeout,
+                   max(HANG_FLOOR_S, HANG_FACTOR * self._slowest_success * steps))
 
     def _run(self, env: dict, name: str, timeout: float):
         """Runs the script once; returns (exit code or None on timeout, log path)."""
