@@ -163,6 +163,7 @@ def test_fidelity_threshold_hand_made():
     assert fidelity_threshold([5, 5, 7], [1, 2, 3], accuracy=0.9) == -math.inf
     # No evidence at all.
     assert fidelity_threshold([1], [1]) == math.inf
+    assert fidelity_threshold([], []) == math.inf
     assert fidelity_threshold([1, 2, 3], [4, 4, 4]) == math.inf
 
 

@@ -163,7 +163,7 @@ def fidelity_threshold(scores: ArrayLike, measured: ArrayLike, accuracy: float =
     right_added = np.tril((agree > 0) + 0.5 * ((agree == 0) & (sign_t != 0)), k=-1).sum(axis=1)
     comparable_added = np.tril(sign_t != 0, k=-1).sum(axis=1)
     right, comparable = np.cumsum(right_added), np.cumsum(comparable_added)
-    if comparable[-1] == 0:
+    if not comparable.size or comparable[-1] == 0:
         return math.inf
     best = -math.inf
     for k in range(s.size):
