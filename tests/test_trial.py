@@ -77,13 +77,13 @@ def test_a_runner_refuses_a_timeout_that_is_not_a_finite_positive_number(tmp_pat
     assert not (tmp_path / "work").exists()
 
 
-HANGS_ON_SECOND_RUN = """
+SLOW_ON_SECOND_RUN = """
 import json, os, sys, time
 settings = json.loads(os.environ["AUTODIST_TRIAL"])
 with open(sys.argv[1], "a") as pids:
     pids.write(f"{os.getpid()}\\n")
 if len(open(sys.argv[1]).read().split()) > 1:
-    time.sleep(1000)
+    time.sleep(float(sys.argv[2]))
 with open(settings["result"], "w") as result:
     json.dump({"seconds_per_step": 0.5}, result)
 """
@@ -93,8 +93,8 @@ with open(settings["result"], "w") as result:
 def test_a_trial_far_slower_than_earlier_ones_is_stopped_as_a_hang(tmp_path, monkeypatch):
     monkeypatch.setattr(trial, "HANG_FLOOR_S", 3.0)
     script, pids = tmp_path / "hangs.py", tmp_path / "pids"
-    script.write_text(HANGS_ON_SECOND_RUN)
-    runner = ScriptRunner([str(script), str(pids)], str(tmp_path / "work"), timeout=600)
+    script.write_text(SLOW_ON_SECOND_RUN)
+    runner = ScriptRunner([str(script), str(pids), "1000"], str(tmp_path / "work"), timeout=600)
     strategy = Strategy()
     assert runner.trial(strategy).seconds_per_step == 0.5
     start = time.monotonic()
@@ -106,25 +106,13 @@ def test_a_trial_far_slower_than_earlier_ones_is_stopped_as_a_hang(tmp_path, mon
         os.kill(hung, 0)
 
 
-SLOWER_ON_SECOND_RUN = """
-import json, os, sys, time
-settings = json.loads(os.environ["AUTODIST_TRIAL"])
-with open(sys.argv[1], "a") as runs:
-    runs.write("run\\n")
-if len(open(sys.argv[1]).read().split()) > 1:
-    time.sleep(5)
-with open(settings["result"], "w") as result:
-    json.dump({"seconds_per_step": 0.5}, result)
-"""
-
-
 @pytest.mark.timeout(60)
 def test_the_hang_bound_grows_with_the_steps_a_trial_times(tmp_path, monkeypatch):
     # min_timed_seconds can ask later trials for many more steps than the first timed.
     monkeypatch.setattr(trial, "HANG_FLOOR_S", 3.0)
     script = tmp_path / "slower.py"
-    script.write_text(SLOWER_ON_SECOND_RUN)
-    runner = ScriptRunner([str(script), str(tmp_path / "runs")], str(tmp_path / "work"))
+    script.write_text(SLOW_ON_SECOND_RUN)
+    runner = ScriptRunner([str(script), str(tmp_path / "pids"), "5"], str(tmp_path / "work"))
     assert runner.trial(Strategy(), warmup=1, steps=2).ok
     longer = runner.trial(Strategy(), warmup=1, steps=3000)
     assert longer.ok, longer.error
