@@ -83,7 +83,8 @@ def _num_elements(shape) -> int:
     return math.prod(map(int, shape))
 
 
-def sparse_grad_bytes(var_shape: Sequence[int], part_shape: Sequence[int], axis: int, dtype: str, rows_touched: float) -> float:
+def sparse_grad_bytes(var_shape: Sequence[int], part_shape: Sequence[int], axis: int, dtype: str,
+                      rows_touched: float) -> float:
     """Bytes of one replica's sparse gradient of one part.
 
     Row ids are assumed uniform: a part holding a share of the rows (split
