@@ -215,17 +215,23 @@ def test_explain_names_a_missing_script(tmp_path, capsys):
     assert "nope.py' does not exist" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", ["search", "explain"])
-def test_a_command_names_a_bad_spec_before_running_the_script(tmp_path, capsys, command):
-    from autodist import cli
+def _command_args(tmp_path, command: str) -> tuple:
+    """(the command's arguments, a file its script creates if it runs, the search's log dir)."""
     script, ran, log_dir = tmp_path / "train.py", tmp_path / "ran", tmp_path / "log"
     script.write_text(f"open({str(ran)!r}, 'w').close()\n")
     strategy = tmp_path / "s.strategy"
     BUILDERS["PS"]().build(synthetic_graph(2), heterogeneous_cluster()).save(str(strategy))
-    spec = tmp_path / "cluster.yml"
-    spec.write_text("nodes: []\n")
     where = {"search": [str(script), "--log-dir", str(log_dir)],
              "explain": [str(strategy), "--script", str(script)]}[command]
+    return where, ran, log_dir
+
+
+@pytest.mark.parametrize("command", ["search", "explain"])
+def test_a_command_names_a_bad_spec_before_running_the_script(tmp_path, capsys, command):
+    from autodist import cli
+    where, ran, log_dir = _command_args(tmp_path, command)
+    spec = tmp_path / "cluster.yml"
+    spec.write_text("nodes: []\n")
     assert cli.main([command, *where, "--spec", str(spec)]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"autodist {command}: error: ") and str(spec) in err
@@ -247,12 +253,7 @@ def test_a_command_names_a_bad_spec_before_running_the_script(tmp_path, capsys, 
 def test_a_command_refuses_a_bad_option_before_running_the_script(tmp_path, capsys, command,
                                                                   option, value, message):
     from autodist import cli
-    script, ran, log_dir = tmp_path / "train.py", tmp_path / "ran", tmp_path / "log"
-    script.write_text(f"open({str(ran)!r}, 'w').close()\n")
-    strategy = tmp_path / "s.strategy"
-    BUILDERS["PS"]().build(synthetic_graph(2), heterogeneous_cluster()).save(str(strategy))
-    where = {"search": [str(script), "--log-dir", str(log_dir)],
-             "explain": [str(strategy), "--script", str(script)]}[command]
+    where, ran, log_dir = _command_args(tmp_path, command)
     with pytest.raises(SystemExit) as exited:
         cli.main([command, *where, option, value])
     assert exited.value.code == 2

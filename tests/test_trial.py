@@ -167,14 +167,16 @@ def test_an_interrupted_trial_stops_its_job(tmp_path):
     def interrupt(signum, frame):
         raise _Interrupted()
 
-    previous = signal.signal(signal.SIGALRM, interrupt)
-    signal.setitimer(signal.ITIMER_REAL, 3.0)
+    # SIGUSR1, not SIGALRM: pytest-timeout keeps its own alarm for this test.
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    timer = threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGUSR1))
+    timer.start()
     try:
         with pytest.raises(_Interrupted):
             ScriptRunner(_script(tmp_path, 1000), str(tmp_path / "work")).trial(Strategy())
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, previous)
     with pytest.raises(ProcessLookupError):
         os.kill(int((tmp_path / "pid").read_text()), 0)
 
