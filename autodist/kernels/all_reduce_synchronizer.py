@@ -15,6 +15,8 @@ update per replica.
 """
 from __future__ import annotations
 
+import math
+
 import tensorflow as tf
 
 from autodist.kernels.compressor import compressor_name, make_compressor
@@ -122,23 +124,50 @@ def _reduce_dense(grads: list, sync, group_size: int, key: int, scope: str) -> t
     return summed, unpack
 
 
+# Instance keys of sparse gathers: one per gather and padded size, above the
+# keys CollectiveKeys hands out.
+_SIZED_KEY_BASE = 1 << 24
+_SIZE_CLASSES = 48
+
+
 def _gather_sparse(grad: tf.IndexedSlices, group_size: int, keys: tuple) -> tuple:
     """All-gathers an IndexedSlices gradient: (values, indices) of every replica.
 
     Replicas may hold different numbers of rows (a partition owns the rows whose
-    ids fall in its range), but a gather needs equal shapes: every replica pads to
-    one more than the largest count with rows of index -1, dropped by
-    :func:`_mean_of_gathered`. The extra row keeps the gather from ever being
-    empty, which crashes the collective.
+    ids fall in its range, a short batch has fewer), but a gather needs equal
+    shapes: every replica pads to the power of two above the largest count
+    with rows of index -1, dropped by :func:`_mean_of_gathered`. The extra row
+    keeps the gather from ever being empty, which crashes the collective.
+
+    TensorFlow resolves a collective's shape once per instance key and then
+    holds every later run of that key to it, so each padded size gathers under
+    a key of its own (at most one per power of two).
     """
     count_key, value_key, index_key = keys
     indices = tf.cast(grad.indices, tf.int64)
     count = tf.shape(indices, out_type=tf.int64)[:1]
     longest = tf.reduce_max(_gather(count, group_size, count_key))
-    padding = longest + 1 - count[0]
+    size_class = _ceil_log2(longest + 1)
+    padding = tf.bitwise.left_shift(tf.constant(1, tf.int64), size_class) - count[0]
     values = tf.pad(grad.values, [[0, padding]] + [[0, 0]] * (grad.values.shape.rank - 1))
     indices = tf.pad(indices, [[0, padding]], constant_values=-1)
-    return _gather(values, group_size, value_key), _gather(indices, group_size, index_key)
+
+    def sized_key(key):
+        return tf.cast(_SIZED_KEY_BASE + key * _SIZE_CLASSES + size_class, tf.int32)
+
+    return (_gather(values, group_size, sized_key(value_key)),
+            _gather(indices, group_size, sized_key(index_key)))
+
+
+def _ceil_log2(value: tf.Tensor) -> tf.Tensor:
+    """The smallest int64 ``b`` with ``2 ** b >= value``, for ``value >= 1``."""
+    guess = tf.cast(tf.math.ceil(tf.math.log(tf.cast(value, tf.float64)) / math.log(2.0)),
+                    tf.int64)
+    one = tf.constant(1, tf.int64)
+    # Correct a floating-point rounding either way.
+    guess = tf.where(tf.bitwise.left_shift(one, guess) < value, guess + 1, guess)
+    return tf.where((guess > 0) & (tf.bitwise.left_shift(one, tf.maximum(guess - 1, 0))
+                                   >= value), guess - 1, guess)
 
 
 def _mean_of_gathered(values: tf.Tensor, indices: tf.Tensor, group_size: int,
