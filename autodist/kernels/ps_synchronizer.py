@@ -110,27 +110,48 @@ def accumulate_across_nodes(name: str, contribution, shape: tuple, sync,
     Returns:
         (apply op, on the chief the sum of all nodes' contributions, else None)
     """
-    sparse = isinstance(contribution, tf.IndexedSlices)
-    dtype = contribution.dtype
+    if isinstance(contribution, tf.IndexedSlices):
+        return _gather_across_nodes(name, contribution, shape, sync, ctx)
     with tf.device(ctx.tf_device(sync.reduction_destination)):
-        accumulator_class = (tf.compat.v1.SparseConditionalAccumulator if sparse
-                             else tf.compat.v1.ConditionalAccumulator)
-        # SUM: a sparse MEAN would divide each row by the number of nodes that sent it.
-        accumulator = accumulator_class(dtype, shape=shape, shared_name=f"{name}/accumulator",
-                                        name=f"{name}/accumulator", reduction_type="SUM")
-        if sparse:
-            apply = accumulator.apply_indexed_slices_grad(
-                tf.IndexedSlices(contribution.values, contribution.indices,
-                                 tf.constant(shape, tf.int64)), local_step=_ALWAYS_FRESH)
-        else:
-            apply = accumulator.apply_grad(contribution, local_step=_ALWAYS_FRESH)
+        # SUM: the contributions are already scaled to add up to the mean.
+        accumulator = tf.compat.v1.ConditionalAccumulator(
+            contribution.dtype, shape=shape, shared_name=f"{name}/accumulator",
+            name=f"{name}/accumulator", reduction_type="SUM")
+        apply = accumulator.apply_grad(contribution, local_step=_ALWAYS_FRESH)
         if not ctx.is_chief:
             return apply, None
         with tf.control_dependencies([apply]):
-            if sparse:
-                mean = accumulator.take_indexed_slices_grad(ctx.num_nodes)
-            else:
-                mean = accumulator.take_grad(ctx.num_nodes)
+            mean = accumulator.take_grad(ctx.num_nodes)
+    return apply, mean
+
+
+def _gather_across_nodes(name: str, contribution: tf.IndexedSlices, shape: tuple, sync,
+                         ctx: KernelContext):
+    """A sparse part's contributions, concatenated in node order on the chief.
+
+    Every node queues its rows on the destination, one queue per node; the chief
+    takes one item from each, in node order. Duplicate rows stay as they are, in
+    the order one device would see them: an optimizer that squares a sparse
+    gradient's rows (Keras's Adam) must see the same rows as on one device.
+    """
+    def queue(node):
+        return tf.queue.FIFOQueue(capacity=-1, dtypes=[contribution.dtype, tf.int64],
+                                  shared_name=f"{name}/sparse_from_{node}",
+                                  name=f"{name}/sparse_from_{node}")
+
+    with tf.device(ctx.tf_device(sync.reduction_destination)):
+        apply = queue(ctx.node_index).enqueue(
+            [contribution.values, tf.cast(contribution.indices, tf.int64)])
+        if not ctx.is_chief:
+            return apply, None
+        with tf.control_dependencies([apply]):
+            pieces = [queue(node).dequeue() for node in range(ctx.num_nodes)]
+        row_shape = tf.TensorShape(shape[1:])
+        values = [tf.ensure_shape(v, tf.TensorShape([None]).concatenate(row_shape))
+                  for v, _ in pieces]
+        indices = [tf.ensure_shape(i, [None]) for _, i in pieces]
+        mean = tf.IndexedSlices(tf.concat(values, 0), tf.concat(indices, 0),
+                                tf.constant(shape, tf.int64))
     return apply, mean
 
 
