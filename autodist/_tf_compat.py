@@ -39,6 +39,54 @@ class OptimizerCall:
     update_op_names: frozenset
     result_op_name: str
 
+    def slot_names(self) -> dict:
+        """Original slot variable name -> (its variable's name, slot key)."""
+        names = {}
+        for _, variable in self.grads_and_vars:
+            for slot_name in self.optimizer.get_slot_names():
+                slot = self.optimizer.get_slot(variable, slot_name)
+                if slot is not None:
+                    names[slot.op.name] = (variable.op.name, slot_name)
+        return names
+
+    def non_slot_names(self) -> dict:
+        """Original name of each non-slot variable (Adam's powers) -> its key."""
+        return {variable.op.name: key for key, variable
+                in optimizer_non_slot_variables(self.optimizer, self.graph).items()}
+
+    def new_update(self, translate: Callable[[object], tf.Tensor]) -> "V1Update":
+        """A fresh copy of the optimizer for the distributed graph (the default graph).
+
+        Args:
+            translate: maps a tensor or variable hyper-parameter of the original
+                graph (a learning-rate placeholder) to its counterpart.
+        """
+        return V1Update(optimizer_for_graph(self.optimizer, translate))
+
+
+class V1Update:
+    """One copy of a ``tf.compat.v1`` optimizer applying updates in the distributed graph."""
+
+    def __init__(self, optimizer: _V1Optimizer):
+        self._optimizer = optimizer
+
+    def apply(self, updates: list, global_step=None) -> tuple:
+        """Applies each ``PartUpdate``'s gradient to its variable.
+
+        Returns:
+            (the op finishing the update, each update's own op, in order)
+        """
+        return apply_gradients_per_variable(
+            self._optimizer, [(u.gradient, u.variable) for u in updates], global_step)
+
+    def slot(self, copy: tf.Variable, key: str):
+        """The slot ``key`` of the stored copy ``copy``, or None."""
+        return self._optimizer.get_slot(copy, key)
+
+    def non_slot_variables(self, graph: tf.Graph) -> dict:
+        """Key -> this copy's non-slot variable in ``graph``."""
+        return optimizer_non_slot_variables(self._optimizer, graph)
+
 
 @contextlib.contextmanager
 def capture_apply_gradients(record: Callable[[OptimizerCall], None]) -> Iterator[None]:

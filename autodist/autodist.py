@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator, Optional, Union
+from typing import Callable, Iterator, Optional, Union
 
 import tensorflow as tf
 
-from autodist import _tf_compat
+from autodist import _keras_compat, _tf_compat
 from autodist.cluster import runtime
 from autodist.graph_item import GraphItem
+from autodist.keras.fit import distribute_fit
+from autodist.keras.function import DistributedFunction
 from autodist.kernels.context import KernelContext
 from autodist.kernels.transformer import transform
 from autodist.resource_spec import DeviceSpec, ResourceSpec
@@ -82,9 +84,34 @@ class AutoDist:
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
-        """Build the model in here; AutoDist records what the optimizer applies."""
-        with _tf_compat.capture_apply_gradients(self._optimizer_calls.append):
+        """Build the model in here; AutoDist records what the optimizer applies.
+
+        A Keras model compiled in here trains through AutoDist in ``fit`` (also
+        when ``fit`` is called after the block).
+        """
+        with _tf_compat.capture_apply_gradients(self._optimizer_calls.append), \
+                _keras_compat.capture_compile(self._distribute_fit):
             yield
+
+    def function(self, fn: Callable) -> DistributedFunction:
+        """Distributes a Keras / TF2 training step (also usable as ``@ad.function``).
+
+        ``fn`` computes gradients (``tf.GradientTape``) and applies them with
+        one Keras optimizer; create the model and the optimizer in
+        ``ad.scope()``. The returned function takes the global batch (tensors,
+        numpy arrays or dataset elements), splits it along axis 0 across the
+        replicas and returns ``fn``'s outputs combined as the session's fetches
+        are: a float scalar is the replicas' mean, a batch-major tensor their
+        concatenation, anything else replica 0's value.
+
+        Note:
+            ``fn`` is traced once, at the first call, for arguments of that
+            call's structure and dtypes (any batch size). After every call the
+            model's weights, the optimizer's state and the metrics hold the
+            trained values; values changed between calls (``set_weights``,
+            ``load_weights``) are picked up by the next call.
+        """
+        return DistributedFunction(self._open_lifted_session, fn)
 
     def create_distributed_session(self, config: Optional[tf.compat.v1.ConfigProto] = None
                                    ) -> DistributedSession:
@@ -96,7 +123,16 @@ class AutoDist:
         Returns:
             DistributedSession taking the arguments of ``tf.compat.v1.Session.run``.
         """
-        item = self._graph_item()
+        return self._open_session(self._graph_item(), config)
+
+    def _open_lifted_session(self, lifted) -> DistributedSession:
+        return self._open_session(lifted.item)
+
+    def _distribute_fit(self, model) -> None:
+        distribute_fit(model, self._open_lifted_session)
+
+    def _open_session(self, item: GraphItem, config: Optional[tf.compat.v1.ConfigProto] = None
+                      ) -> DistributedSession:
         capture = os.environ.get(trial.CAPTURE_ENV)
         if capture and self.is_chief:
             trial.write_capture(capture, item.trainable_variables, item.fingerprint,
@@ -105,7 +141,7 @@ class AutoDist:
         if len(self._resource_spec.nodes) == 1:
             strategy = self._build_strategy(item)
             compiled = compile_strategy(strategy, item, self._resource_spec)
-            ctx = self._kernel_context(compiled, self._local_devices())
+            ctx = self._kernel_context(item, compiled, self._local_devices())
             session = DistributedSession(transform(item, compiled, ctx),
                                          config=self._config(config), on_step=self._step_timer())
         else:
@@ -151,7 +187,7 @@ class AutoDist:
         node_config = runtime.session_config(self._config(config))
         server = runtime.start_tf_server(spec, role, node_config)
         runtime.wait_until_tf_servers_listen(spec, JOIN_TIMEOUT_S, check=monitor)
-        ctx = self._kernel_context(compiled, runtime.tf_devices(spec))
+        ctx = self._kernel_context(item, compiled, runtime.tf_devices(spec))
         session = DistributedSession(transform(item, compiled, ctx), config=node_config,
                                      target=server.target, monitor=monitor,
                                      on_step=self._step_timer())
@@ -169,7 +205,8 @@ class AutoDist:
         devices = self._resource_spec.cpu_devices + self._resource_spec.replica_devices
         return {d.name_string(): f"/device:{d.device_type}:{d.device_index}" for d in devices}
 
-    def _kernel_context(self, compiled: CompiledStrategy, tf_devices: dict) -> KernelContext:
+    def _kernel_context(self, item: GraphItem, compiled: CompiledStrategy,
+                        tf_devices: dict) -> KernelContext:
         spec, role, strategy = self._resource_spec, self._role, compiled.strategy
         kinds = {part.is_ps for variable in compiled.variables.values()
                  for part in variable.parts if variable.info.has_grad}
@@ -181,7 +218,8 @@ class AutoDist:
                              chief_device=tf_devices[cpu[spec.chief]],
                              node_index=role.task_index, num_nodes=len(spec.nodes),
                              group_size=len(strategy.replicas),
-                             has_ps=True in kinds, has_all_reduce=False in kinds)
+                             has_ps=True in kinds, has_all_reduce=False in kinds,
+                             state_per_node=item.state_per_node)
 
     def _config(self, user_config) -> tf.compat.v1.ConfigProto:
         cpus = max(self._resource_spec.node(self._role.address).cpus) + 1

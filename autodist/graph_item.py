@@ -45,6 +45,29 @@ _PER_REPLICA_INPUT_OPS = ("IteratorGetNext", "IteratorGetNextSync")
 
 
 @dataclasses.dataclass(frozen=True)
+class PartUpdate:
+    """One stored copy of a variable (or of one of its parts) and its synchronized gradient.
+
+    The optimizer call of a graph (``OptimizerCall`` for ``tf.compat.v1``
+    optimizers, ``KerasOptimizerCall`` for Keras 3 ones) turns these into update
+    ops through ``new_update(translate).apply(updates, global_step)``.
+
+    Attributes:
+        gradient: the mean gradient of this copy (a Tensor or IndexedSlices).
+        variable: the stored copy to update.
+        name: the original variable's name.
+        part: which part of the variable this is (0 when it is whole).
+        plan: how the variable is cut (a ``PartitionPlan``), or None when whole.
+    """
+
+    gradient: object
+    variable: tf.Variable
+    name: str
+    part: int = 0
+    plan: Optional[object] = None
+
+
+@dataclasses.dataclass(frozen=True)
 class GradientRef:
     """Names of a gradient's tensors in the original graph.
 
@@ -75,13 +98,19 @@ class GraphItem:
 
     Args:
         graph: the user's graph.
-        optimizer_call: what the optimizer was asked to apply while building it.
+        optimizer_call: what the optimizer was asked to apply while building it:
+            its graph, ``grads_and_vars``, ``global_step``, ``update_op_names``,
+            ``result_op_name``, and ``slot_names()``, ``non_slot_names()`` and
+            ``new_update(translate)`` for the distributed graph.
+
+        state_per_node: whether each node of a cluster keeps its own copy of the
+            non-trainable variables (see ``KernelContext.state_per_node``).
 
     Raises:
         ValueError: when the graph has no captured optimizer call.
     """
 
-    def __init__(self, graph: tf.Graph, optimizer_call):
+    def __init__(self, graph: tf.Graph, optimizer_call, state_per_node: bool = False):
         if optimizer_call is None:
             raise ValueError(
                 "AutoDist found no optimizer in the graph: build the model and call a "
@@ -89,6 +118,7 @@ class GraphItem:
                 "ad.scope().")
         self.graph = graph
         self.optimizer_call = optimizer_call
+        self.state_per_node = state_per_node
         self.graph_def = graph.as_graph_def()
         with graph.as_default():
             self._trainables = [v for v in tf.compat.v1.trainable_variables()

@@ -122,6 +122,7 @@ class DistributedSession:
         mapped = tf.nest.map_structure(self._map_fetch, fetches)
         feeds = {}
         for key, value in (feed_dict or {}).items():
+            self._check_rows(key, value)
             for target in self._map_feed(key):
                 feeds[target] = value
         result = self._watched(self._session.run, mapped, feed_dict=feeds, options=options,
@@ -174,6 +175,16 @@ class DistributedSession:
         if ":" not in name:
             return tf.group(*copies)
         return _combine(copies)
+
+    def _check_rows(self, key, value) -> None:
+        """Refuses a batch with fewer rows than replicas: some replica would get none."""
+        name = _element_name(key).split(":")[0]
+        replicas = self._distributed.ctx.num_replicas
+        if name in self._distributed.item.batched_inputs and len(value) < replicas:
+            raise ValueError(
+                f"AutoDist splits the batch fed to '{name}' across {replicas} replicas, but "
+                f"it has {len(value)} rows; feed at least {replicas} rows (e.g. drop or pad "
+                "a short last batch).")
 
     def _map_feed(self, key) -> list:
         name = _element_name(key)

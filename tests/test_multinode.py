@@ -5,7 +5,6 @@ chief launches the workers through their launch prefixes.
 """
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,13 +14,9 @@ import numpy as np
 import pytest
 
 import cluster_job
-from autodist.cluster import emulate
+import clusters
 
-pytestmark = [
-    pytest.mark.multinode,
-    pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
-                       reason="emulated clusters need root and iproute2"),
-]
+pytestmark = [pytest.mark.multinode, clusters.needs_root]
 
 JOB = os.path.join(os.path.dirname(__file__), "cluster_job.py")
 STEPS = 3
@@ -29,21 +24,12 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):
-    yield from _cluster(tmp_path_factory, "adt2", [1, 1])
+    yield from clusters.emulated(tmp_path_factory, "adt2", [1, 1])
 
 
 @pytest.fixture(scope="module")
 def three_nodes(tmp_path_factory):
-    yield from _cluster(tmp_path_factory, "adt3", [1, 1, 2])
-
-
-def _cluster(tmp_path_factory, name, cpus):
-    emulate.down(name)
-    with emulate.emulated_cluster(len(cpus), "1gbit", name=name, cpus_per_node=cpus) as cluster:
-        spec = tmp_path_factory.mktemp(name) / "spec.yml"
-        import yaml
-        spec.write_text(yaml.safe_dump(emulate.spec_dict(cluster)))
-        yield cluster, str(spec)
+    yield from clusters.emulated(tmp_path_factory, "adt3", [1, 1, 2])
 
 
 def _run_job(cluster, spec, builder, out, *extra, timeout=150, env=None):
@@ -63,8 +49,7 @@ def _assert_trained_like_one_device(cluster, out, steps):
 
 
 def _assert_no_job_left():
-    left = subprocess.run(["pgrep", "-f", JOB], capture_output=True, text=True).stdout.split()
-    assert not left, f"job processes left behind: {left}"
+    clusters.assert_no_process_left(JOB)
 
 
 @pytest.mark.timeout(240)

@@ -13,7 +13,6 @@ from typing import Callable, List, Optional
 
 import tensorflow as tf
 
-from autodist import _tf_compat
 from autodist.kernels import partitioner
 from autodist.kernels.transformer import DistributedGraph, VariableStorage
 
@@ -51,18 +50,11 @@ class Locator:
 
     def __init__(self, distributed: DistributedGraph):
         self._distributed = distributed
-        item = distributed.item
-        optimizer = item.optimizer_call.optimizer
-        self._slot_of = {}  # original slot variable name -> (variable name, slot name)
-        for name, variable in item.variables.items():
-            for slot_name in optimizer.get_slot_names():
-                slot = optimizer.get_slot(variable, slot_name)
-                if slot is not None:
-                    self._slot_of[slot.op.name] = (name, slot_name)
-        self._non_slot_of = {
-            variable.op.name: key
-            for key, variable in _tf_compat.optimizer_non_slot_variables(optimizer,
-                                                                         item.graph).items()}
+        call = distributed.item.optimizer_call
+        # original slot variable name -> (variable name, slot key)
+        self._slot_of = {name: slot for name, slot in call.slot_names().items()
+                         if slot[0] in distributed.storage}
+        self._non_slot_of = call.non_slot_names()
 
     def find(self, name: str) -> Optional[Location]:
         """The location of the original variable ``name``, or None when it has none."""
@@ -106,7 +98,7 @@ class Locator:
 
     def _slot_variable(self, copy: tf.Variable, slot_name: str) -> Optional[tf.Variable]:
         for optimizer in self._distributed.optimizers:
-            slot = optimizer.get_slot(copy, slot_name)
+            slot = optimizer.slot(copy, slot_name)
             if slot is not None:
                 return slot
         return None
@@ -114,7 +106,7 @@ class Locator:
     def _non_slot(self, key: str) -> Location:
         graph = self._distributed.graph
         copies = [variables[key] for variables in (
-            _tf_compat.optimizer_non_slot_variables(o, graph) for o in self._distributed.optimizers)
+            o.non_slot_variables(graph) for o in self._distributed.optimizers)
             if key in variables]
         value = copies[0].read_value if copies else None
         return Location(value, [copies])

@@ -23,6 +23,9 @@ class KernelContext:
         group_size: replicas in the whole cluster (0: this node's replicas).
         has_ps: the strategy has PS-synchronized parts.
         has_all_reduce: the strategy has all-reduced parts.
+        state_per_node: keep the non-trainable variables per node even where a
+            cluster could keep one copy on the chief (a Keras model's metrics
+            and batch-norm statistics, which every node's model reads back).
     """
 
     replica_devices: tuple
@@ -34,6 +37,7 @@ class KernelContext:
     group_size: int = 0
     has_ps: bool = False
     has_all_reduce: bool = False
+    state_per_node: bool = False
 
     @property
     def num_replicas(self) -> int:
@@ -69,7 +73,7 @@ class KernelContext:
     @property
     def shared_variables_on_chief(self) -> bool:
         """One copy of the non-trainables (a global step) on the chief, or one per node."""
-        return self.multi_node and not self.collective_steps
+        return self.multi_node and not self.collective_steps and not self.state_per_node
 
     @property
     def variable_device(self) -> str:

@@ -8,6 +8,9 @@ input and its own view of every trainable variable.
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Optional
+
 import tensorflow as tf
 
 from autodist import _tf_compat
@@ -86,19 +89,39 @@ def import_shared(item: GraphItem, ctx: KernelContext, deferred: list) -> None:
 
 
 def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
-              deferred: list) -> None:
+              deferred: list) -> list:
     """Imports one copy of the replicated ops per replica into the default graph.
+
+    State that the forward pass assigns to a shared (non-trainable) variable
+    is written once per step, merged from what every replica computed:
+
+    * a float increment, ``v.assign(v + delta)`` with ``delta`` computed from
+      the replica's rows (a metric's total and count): the replicas' deltas
+      add up, as the rows they count do;
+    * any other float assignment (a batch normalization's moving statistics):
+      the mean of the replicas' values;
+    * anything else (a random seed's counter): the first replica's value, so
+      that it advances once per step.
+
+    ``AssignAddVariableOp`` increments are left to every replica (they add up).
 
     Args:
         variable_handles: trainable variable name -> [resource handle per replica].
         deferred: receives (node name in the new graph, source name) control
             edges to reconnect.
+
+    Returns:
+        the ops writing the merged assigns, to run with every training step.
     """
     graph = tf.compat.v1.get_default_graph()
     external = {}
     local_deferred = []
     # The library came with the shared import; each copy only adds its ops.
     graph_def = _subgraph(item, item.replicated, external, local_deferred, with_library=False)
+    merged = _defer_shared_assigns(item, graph_def)
+    assigned = {name: [] for name in merged}
+    copied = {node.name for node in graph_def.node}
+    salt = _salt_random_keys(graph_def)
     for replica in range(ctx.num_replicas):
         scope = replica_scope(replica)
         device = ctx.replica_tf_device(replica)
@@ -117,10 +140,127 @@ def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
                     raise NotImplementedError(
                         f"The model reads '{name}', produced by the optimizer's update; "
                         "AutoDist cannot replicate that graph.")
+        if salt:
+            input_map[salt] = tf.constant([replica * _SALT_STRIDE], tf.uint64)
         for node in graph_def.node:
             node.device = device
         _tf_compat.import_graph_def(graph_def, input_map, scope)
         deferred.extend((f"{scope}/{node}", source) for node, source in local_deferred)
+        for name, merge in merged.items():
+            source = merge.delta or f"{name}:0"
+            scoped = f"{scope}/{source}" if _op_name(source) in copied else source
+            assigned[name].append(graph.get_tensor_by_name(scoped))
+    writes = []
+    for name, merge in merged.items():
+        values, handle = assigned[name], graph.get_tensor_by_name(merge.resource)
+        with tf.device(handle.device):
+            if merge.delta is None:
+                value = (tf.add_n(values) / float(len(values)) if values[0].dtype.is_floating
+                         else values[0])
+            else:  # a delta computed from no replica's rows is applied once
+                total = values[0] if len({v.name for v in values}) == 1 else tf.add_n(values)
+                value = tf.raw_ops.ReadVariableOp(resource=handle, dtype=total.dtype) + total
+            writes.append(tf.raw_ops.AssignVariableOp(resource=handle, value=value,
+                                                      name=f"{name}/merged"))
+    return writes
+
+
+@dataclasses.dataclass(frozen=True)
+class _Merge:
+    """A replicated assign to a shared variable, merged over the replicas."""
+
+    resource: str          # the variable's handle (shared, original name)
+    delta: Optional[str]   # for a float increment, the tensor it adds
+
+
+# Stateless random ops whose inputs are (shape, key, counter, alg).
+_KEYED_RANDOM_OPS = ("StatelessRandomUniformV2", "StatelessRandomNormalV2",
+                     "StatelessTruncatedNormalV2", "StatelessRandomUniformIntV2",
+                     "StatelessRandomUniformFullIntV2")
+_SALT = "autodist_replica_salt"
+_SALT_STRIDE = 0x9E3779B97F4A7C15  # spreads the replicas' keys apart
+
+
+def _salt_random_keys(graph_def) -> str:
+    """Makes each replica draw its own random numbers (e.g. dropout masks).
+
+    A traced Keras step derives the key of its stateless random ops from a
+    shared seed; left alone, every replica would draw the same mask for its
+    rows. Each such op's key is XORed with a per-replica salt, 0 on replica 0.
+
+    Returns:
+        the salt placeholder's tensor name to map per replica, or "" when the
+        graph has no such op.
+    """
+    keyed = [node for node in graph_def.node if node.op in _KEYED_RANDOM_OPS]
+    if not keyed:
+        return ""
+    salt = graph_def.node.add()
+    salt.name, salt.op = _SALT, "Placeholder"
+    salt.attr["dtype"].type = tf.uint64.as_datatype_enum
+    for node in keyed:
+        xor = graph_def.node.add()
+        xor.name, xor.op = f"{node.name}/salted_key", "BitwiseXor"
+        xor.attr["T"].type = tf.uint64.as_datatype_enum
+        xor.input.extend([node.input[1], _SALT])
+        node.input[1] = xor.name
+    return f"{_SALT}:0"
+
+
+def _tensor_name(name: str) -> str:
+    return name if ":" in name else name + ":0"
+
+
+def _increment(nodes: dict, value: str, variable: str) -> Optional[str]:
+    """The ``delta`` of a value ``read(variable) + delta``, or None for another value."""
+    def through_identities(name):
+        node = nodes.get(_op_name(name))
+        while node is not None and node.op == "Identity":
+            node = nodes.get(_op_name(node.input[0]))
+        return node
+
+    node = through_identities(value)
+    if node is None or node.op not in ("AddV2", "Add"):
+        return None
+    first, second = [i for i in node.input if not i.startswith("^")][:2]
+    for read, delta in ((first, second), (second, first)):
+        reader = through_identities(read)
+        if (reader is not None and reader.op == "ReadVariableOp"
+                and _op_name(reader.input[0]) == variable):
+            return _tensor_name(delta)
+    return None
+
+
+def _defer_shared_assigns(item: GraphItem, graph_def) -> dict:
+    """Turns the replicated graph's assigns to shared variables into plain values.
+
+    Each such ``AssignVariableOp`` becomes an ``Identity`` of the value it would
+    write (control edges to it still hold), so that every replica's value can be
+    merged into one write.
+
+    Returns:
+        node name -> how to merge it
+    """
+    nodes = {node.name: node for node in item.graph_def.node}
+    merged = {}
+    for node in graph_def.node:
+        if node.op != "AssignVariableOp":
+            continue
+        resource, value = node.input[0], node.input[1]
+        source = nodes.get(_op_name(resource))
+        if source is None or source.name not in item.shared or source.op not in _VARIABLE_OPS:
+            continue
+        dtype = node.attr["dtype"].type
+        delta = (_increment(nodes, value, source.name)
+                 if tf.as_dtype(dtype).is_floating else None)
+        merged[node.name] = _Merge(_tensor_name(resource), delta)
+        controls = [inp for inp in node.input if inp.startswith("^")]
+        node.op = "Identity"
+        node.attr.clear()
+        node.attr["T"].type = dtype
+        del node.input[:]
+        node.input.extend([value] + controls)
+    return merged
 
 
 def _batch_slice(batch: tf.Tensor, replica: int, num_replicas: int) -> tf.Tensor:
@@ -129,3 +269,26 @@ def _batch_slice(batch: tf.Tensor, replica: int, num_replicas: int) -> tf.Tensor
     start = size * replica // num_replicas
     end = size * (replica + 1) // num_replicas
     return batch[start:end]
+
+
+def row_weights(item: GraphItem, ctx: KernelContext) -> list:
+    """Per replica, its share of the batch's rows times the number of replicas.
+
+    A replica's gradient of a loss averaged over its rows, scaled by this
+    weight, averages over the replicas to the gradient of the loss averaged
+    over the whole batch, also when the rows do not split evenly (the last
+    batch of an epoch); with an even split every weight is 1.
+
+    Returns:
+        one float64 scalar per local replica, or [] when the graph has no fed
+        batch or a single replica.
+    """
+    if not item.batched_inputs or ctx.num_replicas == 1:
+        return []
+    graph = tf.compat.v1.get_default_graph()
+    batch = graph.get_tensor_by_name(sorted(item.batched_inputs)[0] + ":0")
+    n = ctx.num_replicas
+    with tf.device(ctx.shared_device), tf.name_scope("autodist_row_weights"):
+        size = tf.shape(batch, out_type=tf.int64)[0]
+        return [tf.cast(n * (size * (r + 1) // n - size * r // n), tf.float64)
+                / tf.cast(size, tf.float64) for r in range(n)]

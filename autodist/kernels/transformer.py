@@ -6,21 +6,24 @@ The stages, each owned by one kernel module:
 2. storage (partitioner + synchronizers)
                                  each variable part placed per its synchronizer;
                                  partitioned variables re-stitched per replica
-3. replicator.replicate          the model once per local replica
-4. synchronizers                 gradients cut per part, then PS-averaged or
-                                 all-reduced (grouped, compressed)
-5. update                        the user's optimizer applied to every stored copy;
-                                 proxies refreshed
+3. replicator.replicate          the model once per local replica; state the
+                                 forward pass assigns merged into one write
+4. synchronizers                 gradients weighted by each replica's rows, cut
+                                 per part, then PS-averaged or all-reduced
+                                 (grouped, compressed)
+5. update                        the graph's optimizer update (``item.optimizer_call``)
+                                 recreated for every stored copy; proxies refreshed
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import tensorflow as tf
 
 from autodist import _tf_compat
-from autodist.graph_item import GraphItem
+from autodist.graph_item import GraphItem, PartUpdate
 from autodist.kernels import partitioner, replicator
 from autodist.kernels.all_reduce_synchronizer import (
     CollectiveKeys, all_reduce_group, create_all_reduce_storage)
@@ -84,7 +87,7 @@ class DistributedGraph:
     ctx: KernelContext
     storage: dict
     shared_variables: dict = dataclasses.field(default_factory=dict)  # name -> non-trainable
-    optimizers: list = dataclasses.field(default_factory=list)  # the copies applying updates
+    optimizers: list = dataclasses.field(default_factory=list)  # updates' optimizer copies
     train_op: Optional[tf.Operation] = None
     ps_step_op: Optional[tf.Operation] = None  # a split step's second run, after train_op's
     init_ops: tuple = ()
@@ -116,11 +119,14 @@ def transform(item: GraphItem, compiled: CompiledStrategy, ctx: KernelContext) -
         result.shared_variables = shared_variables = _register_shared_variables(item)
         for name, variable in compiled.variables.items():
             result.storage[name] = _create_storage(item, variable, ctx)
-        replicator.replicate(item, ctx, {n: s.handles for n, s in result.storage.items()},
-                             deferred)
+        state_writes = replicator.replicate(
+            item, ctx, {n: s.handles for n, s in result.storage.items()}, deferred)
         sync = _synchronize(result)
         result.train_op, result.ps_step_op = _apply_updates(item, sync, shared_variables, ctx,
                                                             result.optimizers)
+        if state_writes:
+            result.train_op = tf.group(result.train_op, *state_writes,
+                                       name="autodist_train_op_and_state")
         _reconnect(result, deferred)
         _plan_initialization(result, list(shared_variables.values()), sync)
     return result
@@ -205,8 +211,8 @@ def _stitched_handle(variable: CompiledVariable, parts: list, replica: int,
 class _Synchronized:
     """What the synchronizers produced for the update stage."""
 
-    ps_updates: list = dataclasses.field(default_factory=list)   # (mean gradient, shared copy)
-    ar_updates: list = dataclasses.field(default_factory=list)   # (mean gradient, node's copy)
+    ps_updates: list = dataclasses.field(default_factory=list)   # PartUpdate of shared copies
+    ar_updates: list = dataclasses.field(default_factory=list)   # PartUpdate of node's copies
     collectives: list = dataclasses.field(default_factory=list)  # other replicas' collectives
     proxy_parts: list = dataclasses.field(default_factory=list)  # PS parts read through proxies
     sent: list = dataclasses.field(default_factory=list)     # ops sending gradients to PS nodes
@@ -219,11 +225,15 @@ def _synchronize(result: DistributedGraph) -> _Synchronized:
     item, ctx = result.item, result.ctx
     out = _Synchronized()
     groups = {}
+    weights = replicator.row_weights(item, ctx)
     for name, storage in result.storage.items():
         ref = item.gradients.get(name)
         if ref is None:
             continue
-        per_replica = [_replica_gradient(result, ref, r) for r in range(ctx.num_replicas)]
+        per_replica = [_replica_gradient(result, ref, r, storage.compiled.info.shape)
+                       for r in range(ctx.num_replicas)]
+        if weights:
+            per_replica = [_scaled(g, w) for g, w in zip(per_replica, weights)]
         plan = storage.compiled.plan
         if plan is not None:
             with tf.name_scope(f"{name}/partition_gradient"):
@@ -234,15 +244,15 @@ def _synchronize(result: DistributedGraph) -> _Synchronized:
             per_part = [per_replica]
         for part_storage, grads in zip(storage.parts, per_part):
             part, sync = part_storage.part, part_storage.part.synchronizer
+            update = functools.partial(_part_update, part_storage, name, plan)
             if not part.is_ps:
-                groups.setdefault(sync.group, []).append((part_storage, grads))
+                groups.setdefault(sync.group, []).append((part_storage, grads, update))
                 continue
             out.staleness = max(out.staleness, sync.staleness)
             if part_storage.readers[0] is not part_storage.copies[0]:
                 out.proxy_parts.append(part_storage)
             if not ctx.multi_node:
-                out.ps_updates.append((reduce_ps_gradients(grads, sync, ctx),
-                                       part_storage.copies[0]))
+                out.ps_updates.append(update(reduce_ps_gradients(grads, sync, ctx)))
                 continue
             contribution = node_contribution(grads, sync, ctx)
             if ctx.split_step:
@@ -251,21 +261,36 @@ def _synchronize(result: DistributedGraph) -> _Synchronized:
             sent, mean = accumulate_across_nodes(part.name, contribution, part.shape, sync, ctx)
             out.sent.append(sent)
             if mean is not None:
-                out.ps_updates.append((mean, part_storage.copies[0]))
+                out.ps_updates.append(update(mean))
     keys = CollectiveKeys()
     for group in sorted(groups):
         members = groups[group]
         means, others = all_reduce_group(
-            [(p.part.name, p.part.synchronizer, g) for p, g in members], keys, ctx)
-        out.ar_updates.extend((mean, p.copies[0]) for (p, _), mean in zip(members, means))
+            [(p.part.name, p.part.synchronizer, g) for p, g, _ in members], keys, ctx)
+        out.ar_updates.extend(update(mean) for (_, _, update), mean in zip(members, means))
         out.collectives.extend(others)
     return out
 
 
-def _replica_gradient(result: DistributedGraph, ref, replica: int):
+def _part_update(storage: PartStorage, name: str, plan, mean) -> PartUpdate:
+    return PartUpdate(mean, storage.copies[0], name, storage.part.index, plan)
+
+
+def _scaled(gradient, weight: tf.Tensor):
+    """``gradient`` times ``weight``, on the gradient's device."""
+    values = gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+    with tf.device(values.device):
+        scaled = values * tf.cast(weight, values.dtype)
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(scaled, gradient.indices, gradient.dense_shape)
+    return scaled
+
+
+def _replica_gradient(result: DistributedGraph, ref, replica: int, shape: tuple):
     values = result.replica_element(ref.values, replica)
     if not ref.sparse:
-        return values
+        # A traced step's gradient may lack its static shape; the kernels need it.
+        return values if values.shape.is_fully_defined() else tf.reshape(values, shape)
     shape = result.replica_element(ref.dense_shape, replica) if ref.dense_shape else None
     return tf.IndexedSlices(values, result.replica_element(ref.indices, replica), shape)
 
@@ -315,14 +340,12 @@ def _apply_updates(item: GraphItem, sync: _Synchronized, shared_variables: dict,
 
     def apply(updates, count_step):
         # A fresh copy per call: each keeps its own non-slot state (Adam's powers).
-        optimizer = _tf_compat.optimizer_for_graph(call.optimizer, translate)
+        optimizer = call.new_update(translate)
         optimizers.append(optimizer)
         global_step = (shared_variables[call.global_step.op.name]
                        if count_step and call.global_step is not None else None)
-        op, per_variable = _tf_compat.apply_gradients_per_variable(optimizer, updates,
-                                                                   global_step)
-        updated.update((variable.name, update) for (_, variable), update
-                       in zip(updates, per_variable))
+        op, per_variable = optimizer.apply(updates, global_step)
+        updated.update((u.variable.name, op) for u, op in zip(updates, per_variable))
         return op
 
     # One global step on the chief, or one per node counting in step with the others.

@@ -1,0 +1,163 @@
+"""``model.fit`` through AutoDist, for a Keras model compiled inside ``ad.scope()``.
+
+The model keeps every Keras feature built around its train function (epochs,
+callbacks, validation, the progress bar, ``History``): AutoDist replaces only
+the function that runs one training step, with the model's own ``train_step``
+traced, lifted and distributed (``function.py``). The step's logs are the
+metrics' results, copied back after each step; the trained weights and the
+optimizer's state are copied back whenever Keras code may read them (see
+``_FitRunner``), so ``evaluate``, ``predict``, callbacks and ``save`` see the
+trained model.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Callable, Optional
+
+import keras
+
+from autodist import _keras_compat
+from autodist.keras.function import DistributedStep
+from autodist.keras.step import LiftedStep, lift_step
+from autodist.session import DistributedSession
+
+
+def check_distributable(model: keras.Model) -> None:
+    """Refuses the compile settings AutoDist cannot distribute, naming them.
+
+    Raises:
+        NotImplementedError: for ``steps_per_execution > 1``, ``jit_compile=True``,
+            ``run_eagerly=True`` or a synchronized batch normalization.
+    """
+    name = type(model).__name__
+    if model.steps_per_execution != 1:
+        raise NotImplementedError(
+            f"AutoDist runs one step per call: {name} is compiled with "
+            f"steps_per_execution={model.steps_per_execution}; use 1.")
+    if model.jit_compile:
+        raise NotImplementedError(
+            f"AutoDist does not compile steps with XLA: {name} is compiled with "
+            "jit_compile=True; use jit_compile=False.")
+    if model.run_eagerly:
+        raise NotImplementedError(
+            f"AutoDist traces the training step: {name} is compiled with "
+            "run_eagerly=True; use run_eagerly=False.")
+    for layer in _keras_compat.all_layers(model):
+        if isinstance(layer, keras.layers.BatchNormalization) and layer.synchronized:
+            raise NotImplementedError(
+                f"AutoDist does not synchronize batch statistics: layer '{layer.name}' "
+                "is a BatchNormalization(synchronized=True); each replica normalizes "
+                "with its own batch's statistics, so use synchronized=False.")
+
+
+class _FitRunner:
+    """Runs ``fit``'s steps through AutoDist and keeps the model in sync with them.
+
+    Each step copies back only the state the forward pass writes (the metrics,
+    for the logs); the weights and the optimizer's state are copied back
+    whenever Keras code may read them: before validation, at the end of every
+    epoch and of ``fit``, and after every batch when a callback acts per batch.
+    """
+
+    def __init__(self, model: keras.Model,
+                 open_session: Callable[[LiftedStep], DistributedSession]):
+        self._model = model
+        self._open_session = open_session
+        self._step: Optional[DistributedStep] = None
+        self._stale = False  # trained values not yet copied into the model
+
+    @property
+    def step(self) -> Optional[DistributedStep]:
+        return self._step
+
+    def fit(self, *args, **kwargs):
+        """``model.fit``, with a callback that copies the trained values back first."""
+        fit = type(self._model).fit
+        bound = inspect.signature(fit).bind(self._model, *args, **kwargs)
+        callbacks = bound.arguments.get("callbacks")
+        sync = _SyncCallback(self)
+        if isinstance(callbacks, keras.callbacks.CallbackList):
+            sync.watch(callbacks.callbacks)
+            callbacks.callbacks.insert(0, sync)
+            sync.set_model(self._model)
+        else:
+            callbacks = list(callbacks or [])
+            sync.watch(callbacks)
+            bound.arguments["callbacks"] = [sync] + callbacks
+        return fit(*bound.args, **bound.kwargs)
+
+    def make_train_function(self, force: bool = False):
+        """What ``fit`` calls before its first epoch: syncs in values Keras code changed."""
+        del force
+        check_distributable(self._model)
+        if self._step is not None:
+            self._step.copy_from_eager_if_changed()
+        self._model.train_function = self.train_function
+        return self.train_function
+
+    def train_function(self, iterator) -> dict:
+        data = next(iterator)
+        if self._step is None:
+            lifted = lift_step(self._model.train_step, (data,))
+            self._step = DistributedStep(lifted, self._open_session(lifted))
+        else:
+            self._step.copy_from_eager_if_changed(forward_state_only=True)  # reset_metrics
+        self._step.run((data,), fetch_outputs=False)
+        self._stale = True
+        self._step.copy_to_eager(forward_state_only=True)
+        return self._model.get_metrics_result()
+
+    def copy_to_model(self) -> None:
+        """Copies the trained weights and optimizer state into the model, if stale."""
+        if self._stale:
+            self._step.copy_to_eager()
+            self._stale = False
+
+
+class _SyncCallback(keras.callbacks.Callback):
+    """Copies the trained values into the model before Keras code reads them.
+
+    It runs first among ``fit``'s callbacks.
+    """
+
+    def __init__(self, runner: _FitRunner):
+        super().__init__()
+        self._runner = runner
+        self._per_batch = False
+
+    def watch(self, callbacks: list) -> None:
+        """Copies after every batch too if one of ``callbacks`` acts per batch."""
+        self._per_batch = any(_acts_per_batch(c) for c in callbacks)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._per_batch:
+            self._runner.copy_to_model()
+
+    def on_test_begin(self, logs=None):
+        self._runner.copy_to_model()  # validation inside fit
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._runner.copy_to_model()
+
+    def on_train_end(self, logs=None):
+        self._runner.copy_to_model()
+
+
+def _acts_per_batch(callback: keras.callbacks.Callback) -> bool:
+    if isinstance(callback, keras.callbacks.ModelCheckpoint):
+        return callback.save_freq != "epoch"
+    hooks = ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end")
+    return any(getattr(type(callback), hook) is not getattr(keras.callbacks.Callback, hook)
+               for hook in hooks)
+
+
+def distribute_fit(model: keras.Model,
+                   open_session: Callable[[LiftedStep], DistributedSession]) -> None:
+    """Makes ``model.fit`` train through AutoDist (called right after ``compile``)."""
+    check_distributable(model)
+    runner = _FitRunner(model, open_session)
+    # Instance attributes: only this model changes, and Keras looks them up first.
+    model.fit = runner.fit
+    model.make_train_function = runner.make_train_function
+    model.train_function = None
+    model._autodist_fit = runner  # pylint: disable=protected-access

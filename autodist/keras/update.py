@@ -1,0 +1,416 @@
+"""A Keras 3 optimizer's update, recreated for every stored copy of the distributed graph.
+
+A traced Keras step holds the optimizer's whole update (gradient clipping, weight
+decay, the learning-rate schedule, the slots' and the variables' writes, the
+iteration count) as plain ops. ``KerasOptimizerCall`` cuts that update into
+three stages, from the data flow alone, so that any Keras optimizer works:
+
+* common: what the update of several variables depends on (the learning rate
+  at this iteration, a global gradient norm), computed once per update from
+  the whole mean gradients;
+* per variable: what only one variable's writes depend on, including the
+  slots only it reads (Adam's moments). It is imported once per stored copy
+  (or part), with slots of that copy's shape beside it;
+* rest: writes nothing else depends on (the iteration count), run last.
+
+The per-variable stage of a partitioned variable runs on each part; that is
+what single-device training computes only when the update is elementwise,
+which holds for SGD, Adam(W), RMSprop, Adagrad and the like. An update that
+reduces over a variable (e.g. a per-layer norm) is refused for a partitioned
+variable.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+import tensorflow as tf
+
+from autodist.graph_item import PartUpdate
+from autodist.kernels import partitioner
+
+RESOURCE_WRITES = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
+                   "ResourceScatterAdd", "ResourceScatterSub", "ResourceScatterUpdate",
+                   "ResourceScatterMul", "ResourceScatterDiv", "ResourceScatterMin",
+                   "ResourceScatterMax", "ResourceScatterNdUpdate", "ResourceScatterNdAdd",
+                   "ResourceScatterNdSub")
+# Ops whose result on a part of a variable is not that part of their result on it.
+_NOT_ELEMENTWISE = ("Sum", "Mean", "Max", "Min", "Prod", "EuclideanNorm", "MatMul",
+                    "BatchMatMulV2", "Transpose", "Reshape", "ArgMax", "ArgMin", "Cumsum",
+                    "Einsum", "Tile", "Reverse", "ReverseV2")
+
+
+def _op_name(tensor_name: str) -> str:
+    return tensor_name.lstrip("^").split(":")[0]
+
+
+def _tensor_name(name: str) -> str:
+    return name if ":" in name else name + ":0"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stages:
+    common: frozenset
+    per_variable: dict   # variable name -> frozenset of op names
+    rest: frozenset
+    slots: dict          # variable name -> tuple of state placeholder names
+    non_slots: tuple     # state placeholder names read by every copy's update
+
+
+class KerasOptimizerCall:
+    """The update a Keras optimizer applied in a traced step, lifted into ``graph``.
+
+    Attributes (as ``GraphItem`` reads them):
+        graph: the lifted tf.compat.v1 graph.
+        grads_and_vars: (gradient, variable) pairs of ``graph``.
+        global_step: always None (Keras counts its own iterations).
+        update_op_names: every op of the update, the optimizer's state
+            placeholders and the train op.
+        result_op_name: the op running the whole update (the train op).
+
+    Attributes (as ``KerasUpdate`` reads them):
+        optimizer_name: the optimizer's class name, for error messages.
+        state_values: optimizer state placeholder name -> its starting value.
+        variable_names: the updated variables' names.
+        gradient_tensors: gradient tensor name -> (variable name, component
+            ``dense``/``values``/``indices``/``dense_shape``, dtype).
+        update_graph_def: the update's ops, each ``IdentityN`` split.
+        nodes: node name -> NodeDef of ``update_graph_def``.
+        stages: the update cut into common, per-variable and rest stages.
+
+    Args:
+        graph: the lifted graph.
+        grads_and_vars: as above.
+        update_ops: names of the update's ops in ``graph``.
+        state: the optimizer's state in ``graph``: resource placeholder name ->
+            the value it starts from (a numpy array).
+        result_op_name: the train op's name.
+        optimizer_name: for error messages.
+    """
+
+    global_step = None
+
+    def __init__(self, graph: tf.Graph, grads_and_vars: list, update_ops: frozenset,
+                 state: dict, result_op_name: str, optimizer_name: str):
+        self.graph = graph
+        self.grads_and_vars = grads_and_vars
+        self.result_op_name = result_op_name
+        self.update_op_names = frozenset(update_ops) | frozenset(state) | {result_op_name}
+        self.optimizer_name = optimizer_name
+        self.state_values = state
+        self.variable_names = [v.op.name for _, v in grads_and_vars]
+        self.gradient_tensors = {}
+        for grad, variable in grads_and_vars:
+            if grad is None:
+                continue
+            if isinstance(grad, tf.IndexedSlices):
+                components = {"values": grad.values, "indices": grad.indices}
+                if grad.dense_shape is not None:
+                    components["dense_shape"] = grad.dense_shape
+            else:
+                components = {"dense": grad}
+            for key, tensor in components.items():
+                self.gradient_tensors[tensor.name] = (variable.op.name, key, tensor.dtype)
+        self.update_graph_def = _split_identity_n(_subgraph(graph.as_graph_def(), update_ops))
+        self.nodes = {node.name: node for node in self.update_graph_def.node}
+        self.stages = self._cut()
+
+    def slot_names(self) -> dict:
+        """Original slot name -> (its variable's name, slot key)."""
+        return {slot: (name, slot) for name, slots in self.stages.slots.items()
+                for slot in slots}
+
+    def non_slot_names(self) -> dict:
+        """Original name of each non-slot state variable (iterations) -> its key."""
+        return {name: name for name in self.stages.non_slots}
+
+    def new_update(self, translate=None) -> "KerasUpdate":
+        """A fresh copy of the optimizer's state and update for the default graph."""
+        del translate  # the update reads only its own state and the gradients
+        return KerasUpdate(self)
+
+    def _writes(self, names) -> list:
+        return [n for n in names if self.nodes[n].op in RESOURCE_WRITES]
+
+    def _target(self, write: str) -> str:
+        """The variable (op name) a write op writes."""
+        name = _op_name(self.nodes[write].input[0])
+        while name in self.nodes and self.nodes[name].op == "Identity":
+            name = _op_name(self.nodes[name].input[0])
+        return name
+
+    def _ancestors(self, names) -> set:
+        """Ops of the update that ``names`` depend on through data, themselves included."""
+        seen, todo = set(), list(names)
+        while todo:
+            name = todo.pop()
+            if name in seen or name not in self.nodes:
+                continue
+            seen.add(name)
+            todo.extend(_op_name(i) for i in self.nodes[name].input if not i.startswith("^"))
+        return seen
+
+    def _reads(self, names) -> set:
+        """Op names outside the update that ``names`` read."""
+        return {_op_name(i) for n in names for i in self.nodes[n].input
+                if not i.startswith("^") and _op_name(i) not in self.nodes}
+
+    def _cut(self) -> _Stages:
+        writes = self._writes(self.nodes)
+        targets = {w: self._target(w) for w in writes}
+        written_state = {t for t in targets.values() if t in self.state_values}
+        slices = {v: self._ancestors([w for w in writes if targets[w] == v])
+                  for v in self.variable_names}
+        reads = {v: self._reads(ops) for v, ops in slices.items()}
+        slots = {}
+        for v in self.variable_names:
+            others = set().union(*[r for w, r in reads.items() if w != v])
+            slots[v] = tuple(sorted(s for s in reads[v] & written_state if s not in others))
+        components = {v: slices[v] | self._ancestors([w for w in writes if targets[w] in slots[v]])
+                      for v in self.variable_names}
+        counts = {}
+        for ops in components.values():
+            for op in ops:
+                counts[op] = counts.get(op, 0) + 1
+        common = frozenset(op for op, count in counts.items() if count > 1)
+        per_variable = {v: frozenset(ops - common) for v, ops in components.items()}
+        # Writes nothing else depends on, and what only they read; ops reaching no
+        # write (a gradient's unused identity) are left out.
+        rest = frozenset(self._ancestors([w for w in writes if w not in counts]) - set(counts))
+        owned = {s for names in slots.values() for s in names}
+        non_slots = tuple(sorted(s for s in self.state_values if s not in owned))
+        return _Stages(common, per_variable, rest, slots, non_slots)
+
+
+class KerasUpdate:
+    """One copy of a Keras optimizer's state and update in the distributed graph.
+
+    Args:
+        call: what the optimizer did in the traced step.
+    """
+
+    def __init__(self, call: KerasOptimizerCall):
+        self._call = call
+        self._slots = {}      # (stored copy name, slot key) -> variable
+        self._non_slots = {}  # key -> variable
+
+    def slot(self, copy: tf.Variable, key: str) -> Optional[tf.Variable]:
+        """The slot ``key`` of the stored copy ``copy``, or None."""
+        return self._slots.get((copy.name, key))
+
+    def non_slot_variables(self, graph: tf.Graph) -> dict:
+        """Key -> this copy's non-slot state variable (none outside this copy's graph)."""
+        return {k: v for k, v in self._non_slots.items() if v.graph is graph}
+
+    def apply(self, updates: list, global_step=None) -> tuple:
+        """Updates every ``PartUpdate``'s copy with its mean gradient.
+
+        Returns:
+            (the op finishing the whole update, each update's own op, in order)
+
+        Raises:
+            NotImplementedError: when the update cannot be computed from what
+                this copy holds (see the module's docstring).
+        """
+        del global_step  # Keras counts its own iterations
+        call, stages = self._call, self._call.stages
+        with tf.device(updates[0].variable.device):
+            for key in stages.non_slots:
+                self._non_slots[key] = _state_variable(call.state_values[key], f"{key}/copy")
+        state_handles = {key: v.handle for key, v in self._non_slots.items()}
+        with tf.device(updates[0].variable.device):
+            common = self._import(stages.common, self._common_inputs(updates, state_handles),
+                                  "keras_update/common")
+        per_variable = []
+        for update in updates:
+            per_variable.append(self._apply_part(update, common, state_handles))
+        rest_inputs = self._inputs(stages.rest, lambda name: None, state_handles, common)
+        with tf.control_dependencies(per_variable), tf.device(updates[0].variable.device):
+            rest = self._import(stages.rest, rest_inputs, "keras_update/rest")
+        finish = tf.group(*per_variable, *self._writes(rest))
+        return finish, per_variable
+
+    def _apply_part(self, update: PartUpdate, common: dict, state_handles: dict) -> tf.Operation:
+        call, stages = self._call, self._call.stages
+        ops = stages.per_variable[update.name]
+        if update.plan is not None:
+            reducing = sorted({call.nodes[op].op for op in ops} & set(_NOT_ELEMENTWISE))
+            if reducing:
+                raise NotImplementedError(
+                    f"AutoDist cannot partition '{update.name}' under {call.optimizer_name}: "
+                    f"its update is not elementwise (it uses {', '.join(reducing)}); use a "
+                    "strategy that keeps the variable whole.")
+        handles = dict(state_handles)
+        with tf.device(update.variable.device):
+            for key in stages.slots[update.name]:
+                slot = _state_variable(call.state_values[key], f"{update.variable.op.name}/{key}",
+                                       update.plan, update.part)
+                self._slots[(update.variable.name, key)] = slot
+                handles[key] = slot.handle
+            handles[update.name] = update.variable.handle
+
+            def gradient(name):
+                owner, key, dtype = call.gradient_tensors[name]
+                if owner != update.name:
+                    raise NotImplementedError(
+                        f"{call.optimizer_name}'s update of '{update.name}' reads the "
+                        f"gradient of '{owner}'; AutoDist cannot rewrite that update.")
+                return _component(update.gradient, key, dtype, update.variable)
+
+            inputs = self._inputs(ops, gradient, handles, common)
+            writes = self._import(ops, inputs, f"keras_update/{update.variable.op.name}")
+        return tf.group(*self._writes(writes))
+
+    def _common_inputs(self, updates: list, state_handles: dict) -> dict:
+        call = self._call
+        by_name = {}
+        for update in updates:
+            by_name.setdefault(update.name, []).append(update)
+
+        def gradient(name):
+            owner, key, dtype = call.gradient_tensors[name]
+            parts = by_name.get(owner)
+            if parts is None:
+                raise NotImplementedError(
+                    f"{call.optimizer_name}'s update combines the gradients of several "
+                    f"variables (e.g. global_clipnorm), but '{owner}' is updated elsewhere "
+                    "under this strategy; use a strategy whose updates all run on one "
+                    "node (all PS or all AllReduce).")
+            if parts[0].plan is None:
+                return _component(parts[0].gradient, key, dtype, parts[0].variable)
+            parts = sorted(parts, key=lambda u: u.part)
+            if len(parts) != parts[0].plan.num_parts:
+                raise NotImplementedError(
+                    f"{call.optimizer_name}'s update combines the gradients of several "
+                    f"variables, but the parts of '{owner}' are updated on several nodes "
+                    "under this strategy.")
+            dense = [tf.convert_to_tensor(p.gradient) for p in parts]
+            return _component(partitioner.stitch(dense, parts[0].plan), key, dtype, None)
+
+        handles = dict(state_handles)
+        for update in updates:
+            if update.plan is None:
+                handles[update.name] = update.variable.handle
+        return self._inputs(call.stages.common, gradient, handles, {})
+
+    def _inputs(self, ops, gradient, handles: dict, common: dict) -> dict:
+        """The input map of a stage: its outside reads mapped into the distributed graph."""
+        call = self._call
+        graph = tf.compat.v1.get_default_graph()
+        mapped = {}
+        for node_name in ops:
+            for inp in call.nodes[node_name].input:
+                source = _op_name(inp)
+                if inp.startswith("^") or source in ops:
+                    continue
+                name = _tensor_name(inp)
+                if name in mapped:
+                    continue
+                if source in common:
+                    mapped[name] = common[source].outputs[int(name.split(":")[1])]
+                elif name in call.gradient_tensors:
+                    mapped[name] = gradient(name)
+                elif source in handles:
+                    mapped[name] = handles[source]
+                elif source in call.state_values or source in call.variable_names:
+                    raise NotImplementedError(
+                        f"{call.optimizer_name}'s update reads '{source}' in a way AutoDist "
+                        "cannot give every stored copy its own; it cannot rewrite it.")
+                else:  # a shared tensor of the lifted graph, imported under its name
+                    mapped[name] = graph.get_tensor_by_name(name)
+        return mapped
+
+    def _import(self, ops, input_map: dict, scope: str) -> dict:
+        """Imports the stage's ops; returns op name -> its outputs (in the new graph)."""
+        if not ops:
+            return {}
+        graph_def = _subgraph(self._call.update_graph_def, ops)
+        names = [node.name for node in graph_def.node]
+        imported = tf.graph_util.import_graph_def(graph_def, input_map=input_map,
+                                                  return_elements=names, name=scope)
+        return dict(zip(names, imported))
+
+    def _writes(self, imported: dict) -> list:
+        """The write ops among an imported stage's ops."""
+        return [op for name, op in imported.items()
+                if self._call.nodes[name].op in RESOURCE_WRITES]
+
+
+def _state_variable(value: np.ndarray, name: str, plan=None, part: int = 0) -> tf.Variable:
+    """A variable of the optimizer's state starting at ``value`` (or its ``part``)."""
+    if plan is not None:
+        value = np.split(value, np.cumsum(plan.sizes)[:-1], axis=plan.axis)[part]
+    initial = tf.zeros(value.shape, value.dtype) if not value.any() else tf.constant(value)
+    return tf.Variable(initial, trainable=False, name=name.replace(":", "_"))
+
+
+def _component(gradient, key: str, dtype: tf.DType, variable: Optional[tf.Variable]
+               ) -> tf.Tensor:
+    """One tensor of a synchronized gradient, in the dtype the traced update reads."""
+    if key == "dense":
+        tensor = tf.convert_to_tensor(gradient)
+    elif key == "dense_shape" and gradient.dense_shape is None:
+        tensor = tf.shape(variable, out_type=dtype)
+    else:
+        tensor = getattr(gradient, key)
+    # The synchronizers carry indices as int64; a traced update may read int32.
+    return tensor if tensor.dtype == dtype else tf.cast(tensor, dtype)
+
+
+def _subgraph(graph_def, keep) -> tf.compat.v1.GraphDef:
+    """GraphDef of the nodes in ``keep``, unplaced; control inputs from outside dropped."""
+    out = tf.compat.v1.GraphDef()
+    out.versions.CopyFrom(graph_def.versions)
+    out.library.CopyFrom(graph_def.library)
+    for node in graph_def.node:
+        if node.name not in keep:
+            continue
+        new = out.node.add()
+        new.CopyFrom(node)
+        new.device = ""
+        if "_class" in new.attr:
+            del new.attr["_class"]
+        del new.input[:]
+        new.input.extend(i for i in node.input
+                         if not (i.startswith("^") and _op_name(i) not in keep))
+    return out
+
+
+def _split_identity_n(graph_def) -> tf.compat.v1.GraphDef:
+    """One ``Identity`` per output of every ``IdentityN``.
+
+    Keras passes all gradients through one ``IdentityN``; split, each variable's
+    gradient has its own op, so that the variable's update stands alone.
+    """
+    out = tf.compat.v1.GraphDef()
+    out.versions.CopyFrom(graph_def.versions)
+    out.library.CopyFrom(graph_def.library)
+    renamed, controls_of = {}, {}
+    for node in graph_def.node:
+        if node.op != "IdentityN":
+            continue
+        data = [i for i in node.input if not i.startswith("^")]
+        controls_of[node.name] = [f"^{node.name}/split_{k}" for k in range(len(data))]
+        for k in range(len(data)):
+            renamed[f"{node.name}:{k}"] = f"{node.name}/split_{k}:0"
+        renamed[node.name] = f"{node.name}/split_0:0"
+    for node in graph_def.node:
+        if node.op == "IdentityN":
+            controls = [i for i in node.input if i.startswith("^")]
+            data = [i for i in node.input if not i.startswith("^")]
+            for k, inp in enumerate(data):
+                new = out.node.add()
+                new.name, new.op = f"{node.name}/split_{k}", "Identity"
+                new.input.extend([inp] + controls)
+                new.attr["T"].type = node.attr["T"].list.type[k]
+            continue
+        new = out.node.add()
+        new.CopyFrom(node)
+        del new.input[:]
+        for inp in node.input:
+            if inp.startswith("^") and inp[1:] in controls_of:
+                new.input.extend(controls_of[inp[1:]])
+            else:
+                new.input.append(renamed.get(inp, inp))
+    return out

@@ -1,0 +1,102 @@
+"""A Keras ``model.fit`` job run by the multi-node tests on an emulated cluster.
+
+Every node runs this script (the chief starts the workers) and fits its own
+rows of every global batch, as many per replica on every node, so synchronous
+training must equal single-device ``fit`` on the whole global batch, which
+``reference`` computes.
+
+    python keras_cluster_job.py SPEC BUILDER OUT [--epochs N] [--die-at STEP]
+"""
+import argparse
+import os
+import signal
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+ROWS_PER_REPLICA = 4
+BATCHES = 3
+
+
+def data(num_replicas: int):
+    """``BATCHES`` global batches of ``ROWS_PER_REPLICA`` rows per replica, batch-major."""
+    rng = np.random.RandomState(0)
+    rows = ROWS_PER_REPLICA * num_replicas * BATCHES
+    return (rng.randint(0, 12, size=(rows, 3)).astype(np.int32),
+            rng.randn(rows, 5).astype(np.float32), rng.randn(rows, 2).astype(np.float32))
+
+
+def build_model() -> keras.Model:
+    """An embedding (sparse gradient) and two dense layers, compiled with Adam."""
+    keras.utils.set_random_seed(7)
+    ids = keras.Input((3,), dtype="int32")
+    x = keras.Input((5,))
+    embedded = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(12, 4)(ids))
+    hidden = keras.layers.Dense(6, activation="tanh")(keras.layers.Concatenate()([embedded, x]))
+    model = keras.Model([ids, x], keras.layers.Dense(2)(hidden))
+    model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse", metrics=["mae"])
+    return model
+
+
+def reference(num_replicas: int, epochs: int) -> tuple:
+    """Single-device ``fit`` on the global batches: (weights, history)."""
+    ids, x, y = data(num_replicas)
+    model = build_model()
+    history = model.fit([ids, x], y, batch_size=ROWS_PER_REPLICA * num_replicas,
+                        epochs=epochs, shuffle=False, verbose=0)
+    return model.get_weights(), history.history
+
+
+class _DieAt(keras.callbacks.Callback):
+    """Kills this process (a worker) when it starts batch ``step`` of the first epoch."""
+
+    def __init__(self, step: int):
+        super().__init__()
+        self._step = step
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == self._step:
+            print(f"worker dies at {time.time():.3f}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    from autodist import AutoDist
+    from autodist.cluster.runtime import ordered_nodes
+    from autodist.strategy import get_builder
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("spec")
+    parser.add_argument("builder")
+    parser.add_argument("out")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--die-at", type=int, default=-1, help="a worker dies at this batch")
+    args = parser.parse_args()
+
+    ad = AutoDist(args.spec, get_builder(args.builder))
+    replicas = ad.resource_spec.replica_devices
+    nodes = ordered_nodes(ad.resource_spec)
+    mine = nodes[ad.node_index]
+    start = sum(1 for r in replicas if nodes.index(r.host_address) < ad.node_index)
+    count = sum(1 for r in replicas if r.host_address == mine)
+    ids, x, y = data(len(replicas))
+    # This node's rows of every global batch.
+    per_batch = ROWS_PER_REPLICA * len(replicas)
+    rows = np.concatenate([np.arange(b * per_batch + start * ROWS_PER_REPLICA,
+                                     b * per_batch + (start + count) * ROWS_PER_REPLICA)
+                           for b in range(BATCHES)])
+    with ad.scope():
+        model = build_model()
+    callbacks = [_DieAt(args.die_at)] if args.die_at >= 0 and not ad.is_chief else []
+    history = model.fit([ids[rows], x[rows]], y[rows], batch_size=ROWS_PER_REPLICA * count,
+                        epochs=args.epochs, shuffle=False, verbose=0, callbacks=callbacks)
+    print(f"node {ad.node_index} history {history.history}", flush=True)
+    if ad.is_chief:
+        np.savez(args.out, *model.get_weights())
+
+
+if __name__ == "__main__":
+    main()

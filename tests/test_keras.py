@@ -1,0 +1,597 @@
+"""The Keras 3 front end: ``model.fit`` under ``ad.scope()`` and ``ad.function``.
+
+Every equivalence case builds the same model twice from a fixed seed
+(``tests/keras_models.py``), trains it once on a single device and once
+through AutoDist on the same global batches, and compares the model's weights,
+the optimizer's variables and what training reported. Forward-pass state
+(metrics, batch normalization, dropout seeds) is checked against the policy
+AutoDist documents rather than against single-device training where the two
+differ by design.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_models as km
+from autodist import AutoDist
+from autodist.strategy import (PS, AllReduce, Parallax, PartitionedAR, PartitionedPS,
+                               PSLoadBalancing, RandomAxisPartitionAR, Strategy,
+                               UnevenPartitionedPS)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+ATOL = RTOL = 1e-5
+EPOCHS = 2
+
+# Factories, so no two tests share a builder object.
+BUILDERS = {
+    "PS": PS,
+    "PS-local_proxy": lambda: PS(local_proxy_variable=True),
+    "PSLoadBalancing": PSLoadBalancing,
+    "PartitionedPS": PartitionedPS,
+    "UnevenPartitionedPS": UnevenPartitionedPS,
+    "AllReduce": AllReduce,
+    "PartitionedAR": lambda: PartitionedAR(num_partitions=2),
+    "RandomAxisPartitionAR": lambda: RandomAxisPartitionAR(num_partitions=2, seed=3),
+    "Parallax": Parallax,
+}
+SUBSET = ("AllReduce", "PartitionedPS", "Parallax")
+
+OPTIMIZERS = {
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "sgd-clipped": lambda: keras.optimizers.SGD(0.05, momentum=0.9, global_clipnorm=0.1),
+    "sgd": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+}
+
+
+# ----------------------------------------------------------------------------- harness
+
+@dataclasses.dataclass(frozen=True)
+class Trained:
+    """What a training run left: values in the model's and optimizer's own order."""
+
+    weights: tuple
+    optimizer_variables: tuple
+    optimizer_names: tuple
+    history: dict
+    losses: tuple = ()
+
+
+def snapshot(model: keras.Model, optimizer, history=None, losses=()) -> Trained:
+    return Trained(
+        weights=tuple(w.numpy() for w in model.weights),
+        optimizer_variables=tuple(v.numpy() for v in optimizer.variables),
+        # Without the optimizer's own (uniquified) name: "adam_3/out_kernel_momentum".
+        optimizer_names=tuple(v.path.split("/", 1)[-1] for v in optimizer.variables),
+        history=dict(history or {}),
+        losses=tuple(float(v) for v in losses))
+
+
+def assert_same(got: Trained, want: Trained, what: str = "") -> None:
+    assert len(got.weights) == len(want.weights)
+    for index, (g, w) in enumerate(zip(got.weights, want.weights)):
+        np.testing.assert_allclose(g, w, atol=ATOL, rtol=RTOL,
+                                   err_msg=f"{what}: model weight #{index}")
+    assert got.optimizer_names == want.optimizer_names
+    for name, g, w in zip(got.optimizer_names, got.optimizer_variables,
+                          want.optimizer_variables):
+        np.testing.assert_allclose(g, w, atol=ATOL, rtol=RTOL,
+                                   err_msg=f"{what}: optimizer variable {name}")
+    assert sorted(got.history) == sorted(want.history)
+    for key in want.history:
+        np.testing.assert_allclose(got.history[key], want.history[key], atol=ATOL, rtol=RTOL,
+                                   err_msg=f"{what}: History[{key!r}]")
+    np.testing.assert_allclose(got.losses, want.losses, atol=ATOL, rtol=RTOL,
+                               err_msg=f"{what}: per-step loss")
+
+
+def fit_kwargs(**extra) -> dict:
+    return {"epochs": EPOCHS, "batch_size": km.BATCH_SIZE, "shuffle": False, "verbose": 0,
+            **extra}
+
+
+@functools.lru_cache(maxsize=None)
+def fit_single(model_name: str, optimizer: str) -> Trained:
+    model = km.compiled(model_name, OPTIMIZERS[optimizer]())
+    history = model.fit(*km.data(model_name), **fit_kwargs())
+    return snapshot(model, model.optimizer, history.history)
+
+
+def fit_autodist(spec: str, builder, model_name: str, optimizer: str):
+    """Returns (what training left, the model, the AutoDist instance)."""
+    ad = AutoDist(resource_spec_file=spec, strategy_builder=builder)
+    with ad.scope():
+        model = km.compiled(model_name, OPTIMIZERS[optimizer]())
+    history = model.fit(*km.data(model_name), **fit_kwargs())
+    return snapshot(model, model.optimizer, history.history), model, ad
+
+
+@functools.lru_cache(maxsize=None)
+def function_single(model_name: str) -> Trained:
+    model = km.build(model_name)
+    optimizer = OPTIMIZERS["adam"]()
+    step = tf.function(km.make_train_step(model, optimizer, km.loss(model_name)))
+    losses = [step(x, y).numpy() for x, y in km.batches(*km.data(model_name))]
+    return snapshot(model, optimizer, losses=losses)
+
+
+def function_autodist(spec: str, builder, model_name: str):
+    """Returns (what training left, the AutoDist instance, the distributed function)."""
+    ad = AutoDist(resource_spec_file=spec, strategy_builder=builder)
+    with ad.scope():
+        model = km.build(model_name)
+        optimizer = OPTIMIZERS["adam"]()
+        step = ad.function(km.make_train_step(model, optimizer, km.loss(model_name)))
+    losses = []
+    for x, y in km.batches(*km.data(model_name)):
+        loss = step(x, y)
+        assert np.ndim(loss) == 0
+        losses.append(loss)
+    return snapshot(model, optimizer, losses=losses), ad, step
+
+
+def replica_ops(graph: tf.Graph, pattern: str) -> dict:
+    """Replica index -> the ops of that replica whose name (after the scope) matches."""
+    found = {}
+    for op in graph.get_operations():
+        match = re.match(r"AutoDist-Replica-(\d+)/(.*)$", op.name)
+        if match and re.search(pattern, match.group(2)):
+            found.setdefault(int(match.group(1)), []).append(op)
+    return found
+
+
+# ----------------------------------------------------------------------------- 1. fit
+
+FIT_CASES = ([("mlp", b) for b in BUILDERS]
+             + [(m, b) for m in ("embedding", "cnn", "transformer") for b in SUBSET])
+
+
+@pytest.mark.parametrize("model_name, builder", FIT_CASES)
+def test_fit_matches_single_device(spec_path, model_name, builder):
+    got, model, ad = fit_autodist(spec_path, BUILDERS[builder](), model_name, "adam")
+    want = fit_single(model_name, "adam")
+    assert_same(got, want, f"{model_name} under {builder}")
+    assert len(want.history["loss"]) == EPOCHS
+    assert want.history["loss"][-1] < want.history["loss"][0]
+    assert len(ad.strategy.proto.node_config) == len(model.trainable_weights)
+    if model_name == "embedding":
+        infos = model._autodist_fit.step.session.distributed.item.trainable_variables
+        assert [i.name for i in infos if i.sparse_grad] == ["embedding/table/embeddings"]
+
+
+def fit_with_batches(spec: str, builder, model_name: str, batch_size: int):
+    """(single-device run, AutoDist run) of Adam ``fit`` with ``batch_size`` rows a step."""
+    single = km.compiled(model_name, OPTIMIZERS["adam"]())
+    history = single.fit(*km.data(model_name), **fit_kwargs(batch_size=batch_size))
+    want = snapshot(single, single.optimizer, history.history)
+    ad = AutoDist(resource_spec_file=spec, strategy_builder=builder)
+    with ad.scope():
+        model = km.compiled(model_name, OPTIMIZERS["adam"]())
+    history = model.fit(*km.data(model_name), **fit_kwargs(batch_size=batch_size))
+    return want, snapshot(model, model.optimizer, history.history)
+
+
+@pytest.mark.parametrize("builder", ["AllReduce", "PartitionedAR", "PS"])
+def test_fit_with_a_short_last_batch_matches_single_device(spec_path, builder):
+    # 32 rows in batches of 12, 12 and 8: the embedding's sparse gradient has
+    # fewer rows in the last step, which all-gathers of another shape carry.
+    want, got = fit_with_batches(spec_path, BUILDERS[builder](), "embedding", 12)
+    assert_same(got, want, f"embedding under {builder}, batches of 12")
+
+
+def test_fit_with_batches_that_do_not_split_evenly(spec_path_4cpu):
+    # Batches of 11, 11 and 10 rows on 4 replicas: 2, 3, 3, 3 and 2, 3, 2, 3 rows
+    # each; the replicas' gradients weigh by their rows.
+    want, got = fit_with_batches(spec_path_4cpu, AllReduce(), "mlp", 11)
+    assert_same(got, want, "mlp on 4 replicas, batches of 11")
+
+
+def test_a_batch_with_fewer_rows_than_replicas_is_refused(spec_path_4cpu):
+    ad = AutoDist(resource_spec_file=spec_path_4cpu, strategy_builder=AllReduce())
+    with ad.scope():
+        model = km.compiled("mlp", OPTIMIZERS["adam"]())
+    # 32 rows in batches of 10: the last has 2 rows for 4 replicas.
+    with pytest.raises(ValueError, match="4 replicas, but it has 2 rows"):
+        model.fit(*km.data("mlp"), **fit_kwargs(batch_size=10))
+
+
+# ----------------------------------------------------------------------------- 2. clipping
+
+def test_global_clipnorm_binds_on_the_mlp_data():
+    """Without this, the clipped cases below could not tell a clip from no clip."""
+    model = km.build("mlp")
+    x, y = km.data("mlp")
+    with tf.GradientTape() as tape:
+        value = km.loss("mlp")(y[:km.BATCH_SIZE], model(x[:km.BATCH_SIZE], training=True))
+    norm = tf.linalg.global_norm(tape.gradient(value, model.trainable_variables))
+    assert float(norm) > 10 * 0.1
+    clipped, unclipped = fit_single("mlp", "sgd-clipped"), fit_single("mlp", "sgd")
+    assert max(np.abs(a - b).max() for a, b in zip(clipped.weights, unclipped.weights)) > 1e-2
+
+
+@pytest.mark.parametrize("builder", ["AllReduce", "PS", "PartitionedPS", "Parallax"])
+def test_fit_with_global_clipnorm_matches_single_device(spec_path, builder):
+    got, _, _ = fit_autodist(spec_path, BUILDERS[builder](), "mlp", "sgd-clipped")
+    assert_same(got, fit_single("mlp", "sgd-clipped"), f"clipped SGD under {builder}")
+
+
+# ----------------------------------------------------------------------------- 3. ad.function
+
+def saved_strategy_file(spec: str, model_name: str, directory) -> str:
+    """Trains once under Parallax and saves the strategy it built."""
+    _, ad, _ = function_autodist(spec, Parallax(), model_name)
+    return ad.strategy.save(directory / f"{model_name}.strategy")
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "embedding"])
+@pytest.mark.parametrize("builder", ["AllReduce", "PS", "PartitionedPS", "Parallax", "saved"])
+def test_function_matches_tf_function(spec_path, tmp_path, model_name, builder):
+    if builder == "saved":
+        path = saved_strategy_file(spec_path, model_name, tmp_path)
+        strategy = Strategy.load(path)
+        got, ad, _ = function_autodist(spec_path, strategy, model_name)
+        assert ad.strategy is strategy
+    else:
+        got, ad, _ = function_autodist(spec_path, BUILDERS[builder](), model_name)
+    want = function_single(model_name)
+    assert len(want.losses) == km.SAMPLES // km.BATCH_SIZE
+    assert_same(got, want, f"ad.function on {model_name} under {builder}")
+
+
+def test_function_accepts_a_tf_function_and_tensors(spec_path):
+    ad = AutoDist(resource_spec_file=spec_path, strategy_builder=AllReduce())
+    with ad.scope():
+        model = km.build("mlp")
+        optimizer = OPTIMIZERS["adam"]()
+        step = ad.function(tf.function(km.make_train_step(model, optimizer, km.loss("mlp"))))
+    losses = [step(tf.constant(x), tf.constant(y)) for x, y in km.batches(*km.data("mlp"))]
+    assert_same(snapshot(model, optimizer, losses=losses), function_single("mlp"))
+
+
+# ----------------------------------------------------------------------------- 4. batch split
+
+@pytest.mark.parametrize("spec_fixture, replicas", [("spec_path", 2), ("spec_path_4cpu", 4)])
+def test_each_replica_computes_its_share_of_the_batch(request, spec_fixture, replicas):
+    spec = request.getfixturevalue(spec_fixture)
+    x, y = km.data("mlp")
+    ad = AutoDist(resource_spec_file=spec, strategy_builder=AllReduce())
+    with ad.scope():
+        model = km.compiled("mlp", OPTIMIZERS["adam"]())
+    model.fit(x[:8], y[:8], epochs=1, batch_size=8, verbose=0)
+    session = model._autodist_fit.step.session
+    graph, item = session.distributed.graph, session.distributed.item
+    assert len(ad.strategy.replicas) == replicas
+
+    # The model's input: the batched placeholder shaped like x's rows.
+    (x_name,) = [n for n in item.batched_inputs
+                 if graph.get_tensor_by_name(f"{n}:0").shape[1:] == x.shape[1:]]
+    matmuls = replica_ops(graph, r"(^|/)hidden[^/]*/MatMul$")
+    assert sorted(matmuls) == list(range(replicas))
+    assert all(len(ops) == 1 for ops in matmuls.values()), matmuls
+    ops = [matmuls[r][0] for r in range(replicas)]
+    for r, op in enumerate(ops):
+        assert op.device.endswith(f"CPU:{r}"), (op.name, op.device)
+    assert len({op.device for op in ops}) == replicas
+
+    outputs = session.run([op.outputs[0] for op in ops], feed_dict={f"{x_name}:0": x[:8]})
+    assert [o.shape for o in outputs] == [(8 // replicas, 8)] * replicas
+    # In order: replica r holds rows [r*B/n, (r+1)*B/n) of the global batch.
+    kernel = model.get_layer("hidden").kernel.numpy()
+    np.testing.assert_allclose(np.concatenate(outputs), x[:8] @ kernel, atol=ATOL, rtol=RTOL)
+
+
+# ----------------------------------------------------------------------------- 5. metrics
+
+def metric_step(spec: str, make_metric, calls: int = 3) -> tuple:
+    """Trains the MLP ``calls`` steps under AllReduce, each step also updating a metric
+    (made by ``make_metric`` inside ``ad.scope()``) with 8 values.
+
+    Returns:
+        (the metric, every value it was given, in order)
+    """
+    ad = AutoDist(resource_spec_file=spec, strategy_builder=AllReduce())
+    with ad.scope():
+        model = km.build("mlp")
+        train = km.make_train_step(model, OPTIMIZERS["adam"](), km.loss("mlp"))
+        metric = make_metric()
+
+        def step(x, y, observed):
+            metric.update_state(observed)
+            return train(x, y)
+
+        step = ad.function(step)
+    rng = np.random.default_rng(5)
+    # Halves with different means, so a per-replica mean would show.
+    seen = [np.concatenate([rng.normal(0, 1, 4), rng.normal(10, 3, 4)]).astype(np.float32)
+            for _ in range(calls)]
+    for (x, y), observed in zip(km.batches(*km.data("mlp")), seen):
+        step(x, y, observed)
+    return metric, np.concatenate(seen)
+
+
+def test_mean_metric_updated_in_a_step_is_exact(spec_path):
+    metric, everything = metric_step(spec_path, lambda: keras.metrics.Mean(name="observed"))
+    np.testing.assert_allclose(metric.result(), everything.mean(), rtol=RTOL, atol=ATOL)
+
+
+def test_metric_variables_add_up_over_replicas(spec_path):
+    metric, everything = metric_step(spec_path, lambda: keras.metrics.Mean(name="observed"))
+    total, count = (v.numpy() for v in metric.variables)
+    np.testing.assert_allclose(count, everything.size, err_msg="Mean's count")
+    np.testing.assert_allclose(total, everything.sum(), rtol=RTOL, atol=ATOL,
+                               err_msg="Mean's total")
+    metric, everything = metric_step(spec_path, lambda: keras.metrics.Sum(name="summed"))
+    np.testing.assert_allclose(metric.result(), everything.sum(), rtol=RTOL, atol=ATOL,
+                               err_msg="Sum's result")
+
+
+# ----------------------------------------------------------------------------- 6. batch norm
+
+def batch_norm_model(hidden: bool = False) -> keras.Model:
+    keras.utils.set_random_seed(0)
+    layers = [keras.Input((4,))]
+    if hidden:
+        layers += [keras.layers.Dense(8, name="hidden")]
+    layers += [keras.layers.BatchNormalization(momentum=0.9, name="bn")]
+    if hidden:
+        layers += [keras.layers.ReLU(name="relu")]
+    layers += [keras.layers.Dense(1, name="out")]
+    return keras.Sequential(layers, name="bn_model")
+
+
+@pytest.mark.parametrize("builder", ["AllReduce", "PS"])
+def test_batch_norm_statistics_after_one_step(spec_path, builder):
+    rng = np.random.default_rng(7)
+    halves = [rng.normal(0, scale, (4, 4)) for scale in (0.5, 2.0)]
+    # Halves centred on 0 and 3: the whole batch's variance exceeds the mean of the
+    # halves' by (3 / 2) ** 2 in every feature, so the check tells the two apart.
+    x = np.concatenate([h - h.mean(axis=0) + shift
+                        for h, shift in zip(halves, (0.0, 3.0))]).astype(np.float32)
+    y = rng.normal(size=(8, 1)).astype(np.float32)
+    half_variance = (x[:4].var(axis=0) + x[4:].var(axis=0)) / 2
+    np.testing.assert_allclose(x.var(axis=0) - half_variance, 2.25, rtol=1e-4)
+
+    ad = AutoDist(resource_spec_file=spec_path, strategy_builder=BUILDERS[builder]())
+    with ad.scope():
+        model = batch_norm_model()
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model.fit(x, y, epochs=1, batch_size=8, shuffle=False, verbose=0)
+    bn = model.get_layer("bn")
+    assert int(model.optimizer.iterations.numpy()) == 1
+    np.testing.assert_allclose(bn.moving_mean.numpy(), 0.1 * x.mean(axis=0),
+                               atol=ATOL, rtol=RTOL)
+    np.testing.assert_allclose(bn.moving_variance.numpy(), 0.9 + 0.1 * half_variance,
+                               atol=ATOL, rtol=RTOL)
+
+
+def test_batch_norm_model_trains(spec_path):
+    x, y = km.data("mlp")
+    ad = AutoDist(resource_spec_file=spec_path, strategy_builder=AllReduce())
+    with ad.scope():
+        model = batch_norm_model(hidden=True)
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    losses = model.fit(x[:, :4], y[:, :1], **fit_kwargs(epochs=5)).history["loss"]
+    assert np.all(np.isfinite(losses))
+    assert losses[-1] < losses[0], losses
+
+
+# ----------------------------------------------------------------------------- 7. dropout
+
+def dropout_model(hidden: int = 16, ones: bool = False) -> keras.Model:
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((hidden,)),
+        keras.layers.Dropout(0.5, name="drop"),
+        keras.layers.Dense(1, use_bias=not ones, name="out",
+                           kernel_initializer="ones" if ones else "glorot_uniform"),
+    ], name="dropout_model")
+
+
+def seed_state(model: keras.Model) -> np.ndarray:
+    return model.get_layer("drop").seed_generator.state.numpy()
+
+
+def test_dropout_model_trains(spec_path):
+    rng = np.random.default_rng(8)
+    x = rng.normal(size=(km.SAMPLES, 16)).astype(np.float32)
+    y = (x[:, :3].sum(axis=1, keepdims=True)).astype(np.float32)
+    ad = AutoDist(resource_spec_file=spec_path, strategy_builder=AllReduce())
+    with ad.scope():
+        model = dropout_model()
+        model.compile(optimizer=keras.optimizers.Adam(0.02), loss="mse")
+    losses = model.fit(x, y, **fit_kwargs(epochs=5)).history["loss"]
+    assert np.all(np.isfinite(losses)), losses
+    assert losses[-1] < losses[0], losses
+    assert np.all(np.isfinite(np.concatenate([w.ravel() for w in model.get_weights()])))
+
+
+def test_replicas_draw_different_dropout_masks(spec_path):
+    ad = AutoDist(resource_spec_file=spec_path, strategy_builder=AllReduce())
+    with ad.scope():
+        model = dropout_model(ones=True)
+        optimizer = keras.optimizers.SGD(0.0)
+
+        def step(x):
+            with tf.GradientTape() as tape:
+                out = model(x, training=True)
+                value = tf.reduce_mean(out)
+            grads = tape.gradient(value, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return out
+
+        step = ad.function(step)
+    x = np.ones((8, 16), np.float32)
+    before = seed_state(model)
+    outputs = []
+    for calls in range(1, 4):
+        out = step(x)
+        assert out.shape == (8, 1)
+        # Kept units count 1 / (1 - 0.5) = 2 each.
+        assert np.all(np.mod(out, 2) == 0) and np.all((out >= 0) & (out <= 32)), out
+        assert not np.array_equal(out[:4], out[4:]), f"both replicas drew one mask: {out.T}"
+        outputs.append(out)
+        state = seed_state(model)
+        assert state[0] == before[0] and state[1] == before[1] + calls, (before, state)
+    assert not np.array_equal(outputs[0], outputs[1]), "the mask did not change between steps"
+    np.testing.assert_array_equal(model.get_layer("out").kernel.numpy(), np.ones((16, 1)))
+
+
+def test_dropout_seed_advances_once_per_fit_step(spec_path):
+    rng = np.random.default_rng(9)
+    x = rng.normal(size=(24, 16)).astype(np.float32)
+    y = rng.normal(size=(24, 1)).astype(np.float32)
+    single = dropout_model()
+    single.compile(optimizer="sgd", loss="mse")
+    start = seed_state(single)
+    single.fit(x, y, epochs=1, batch_size=8, verbose=0)
+
+    ad = AutoDist(resource_spec_file=spec_path, strategy_builder=PS())
+    with ad.scope():
+        model = dropout_model()
+        model.compile(optimizer="sgd", loss="mse")
+    np.testing.assert_array_equal(seed_state(model), start)
+    model.fit(x, y, epochs=1, batch_size=8, verbose=0)
+    np.testing.assert_array_equal(seed_state(model), start + [0, 3])
+    np.testing.assert_array_equal(seed_state(model), seed_state(single))
+
+
+# ----------------------------------------------------------------------------- 8. Keras around fit
+
+def test_evaluate_predict_and_saved_weights_match_single_device(spec_path, tmp_path):
+    x, y = km.data("mlp")
+    single = km.compiled("mlp", OPTIMIZERS["adam"]())
+    single.fit(x, y, **fit_kwargs())
+    _, model, _ = fit_autodist(spec_path, AllReduce(), "mlp", "adam")
+
+    np.testing.assert_allclose(model.evaluate(x, y, batch_size=8, verbose=0),
+                               single.evaluate(x, y, batch_size=8, verbose=0),
+                               atol=ATOL, rtol=RTOL)
+    predicted = model.predict(x, batch_size=8, verbose=0)
+    np.testing.assert_allclose(predicted, single.predict(x, batch_size=8, verbose=0),
+                               atol=ATOL, rtol=RTOL)
+
+    path = str(tmp_path / "w.weights.h5")
+    model.save_weights(path)
+    fresh = km.build("mlp", seed=1)
+    assert not np.allclose(fresh.predict(x, verbose=0), predicted, atol=1e-3)
+    fresh.load_weights(path)
+    np.testing.assert_allclose(fresh.predict(x, batch_size=8, verbose=0), predicted,
+                               atol=ATOL, rtol=RTOL)
+
+
+def test_callbacks_and_validation_run_during_fit(spec_path, tmp_path):
+    x, y = km.data("mlp")
+
+    def callbacks(directory):
+        return [keras.callbacks.ModelCheckpoint(str(directory / "best.weights.h5"),
+                                                monitor="val_loss", save_weights_only=True),
+                keras.callbacks.EarlyStopping(monitor="loss", patience=1)]
+
+    kwargs = fit_kwargs(epochs=3, validation_data=(x[:16], y[:16]))
+    (tmp_path / "single").mkdir()
+    single = km.compiled("mlp", OPTIMIZERS["adam"]())
+    want = single.fit(x, y, callbacks=callbacks(tmp_path / "single"), **kwargs)
+
+    (tmp_path / "ad").mkdir()
+    ad = AutoDist(resource_spec_file=spec_path, strategy_builder=Parallax())
+    with ad.scope():
+        model = km.compiled("mlp", OPTIMIZERS["adam"]())
+    got = model.fit(x, y, callbacks=callbacks(tmp_path / "ad"), **kwargs)
+
+    assert sorted(got.history) == ["loss", "mae", "val_loss", "val_mae"]
+    assert_same(snapshot(model, model.optimizer, got.history),
+                snapshot(single, single.optimizer, want.history))
+    saved = km.build("mlp", seed=1)
+    saved.load_weights(str(tmp_path / "ad" / "best.weights.h5"))
+    expected = km.build("mlp", seed=1)
+    expected.load_weights(str(tmp_path / "single" / "best.weights.h5"))
+    for g, w in zip(saved.get_weights(), expected.get_weights()):
+        np.testing.assert_allclose(g, w, atol=ATOL, rtol=RTOL)
+
+
+def test_set_weights_between_fits_restarts_from_them(spec_path):
+    x, y = km.data("mlp")
+    other = km.build("mlp", seed=2).get_weights()
+
+    def train(model):
+        model.fit(x, y, **fit_kwargs(epochs=1))
+        model.set_weights(other)
+        first = model.predict(x[:8], verbose=0)
+        history = model.fit(x, y, **fit_kwargs(epochs=1))
+        return first, snapshot(model, model.optimizer, history.history)
+
+    single_first, want = train(km.compiled("mlp", OPTIMIZERS["adam"]()))
+    ad = AutoDist(resource_spec_file=spec_path, strategy_builder=PartitionedPS())
+    with ad.scope():
+        model = km.compiled("mlp", OPTIMIZERS["adam"]())
+    got_first, got = train(model)
+    np.testing.assert_allclose(got_first, single_first, atol=ATOL, rtol=RTOL)
+    assert_same(got, want, "second fit after set_weights")
+    assert int(model.optimizer.iterations.numpy()) == 2 * km.SAMPLES // km.BATCH_SIZE
+
+
+# ----------------------------------------------------------------------------- 9. refusals
+
+@pytest.mark.parametrize("setting, kwargs", [
+    ("steps_per_execution", {"steps_per_execution": 2}),
+    ("jit_compile", {"jit_compile": True}),
+    ("run_eagerly", {"run_eagerly": True}),
+])
+def test_compile_settings_are_refused(spec_path, setting, kwargs):
+    ad = AutoDist(resource_spec_file=spec_path, strategy_builder=AllReduce())
+    with ad.scope():
+        with pytest.raises(NotImplementedError, match=setting):
+            km.compiled("mlp", OPTIMIZERS["adam"](), **kwargs)
+
+
+def test_synchronized_batch_norm_is_refused(spec_path):
+    ad = AutoDist(resource_spec_file=spec_path, strategy_builder=AllReduce())
+    with ad.scope():
+        model = keras.Sequential([
+            keras.Input((4,)),
+            keras.layers.BatchNormalization(synchronized=True, name="synced_bn"),
+            keras.layers.Dense(1)])
+        with pytest.raises(NotImplementedError, match=r"synced_bn.*synchronized=True"):
+            model.compile(optimizer="adam", loss="mse")
+
+
+def test_two_optimizers_in_one_step_are_refused(spec_path):
+    ad = AutoDist(resource_spec_file=spec_path, strategy_builder=AllReduce())
+    with ad.scope():
+        model = km.build("mlp")
+        first, second = keras.optimizers.Adam(0.01), keras.optimizers.SGD(0.1)
+        hidden, out = model.get_layer("hidden"), model.get_layer("out")
+
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                value = km.loss("mlp")(y, model(x, training=True))
+            grads = tape.gradient(value, model.trainable_variables)
+            first.apply_gradients(zip(grads[:2], hidden.trainable_variables))
+            second.apply_gradients(zip(grads[2:], out.trainable_variables))
+            return value
+
+        step = ad.function(step)
+    x, y = km.data("mlp")
+    with pytest.raises(NotImplementedError, match=r"one optimizer update.*Adam, SGD"):
+        step(x[:8], y[:8])
+
+
+def test_step_without_optimizer_update_is_refused(spec_path):
+    ad = AutoDist(resource_spec_file=spec_path, strategy_builder=AllReduce())
+    with ad.scope():
+        model = km.build("mlp")
+
+        def forward_only(x, y):
+            return km.loss("mlp")(y, model(x, training=False))
+
+        step = ad.function(forward_only)
+    x, y = km.data("mlp")
+    with pytest.raises(ValueError, match=r"no optimizer update in forward_only"):
+        step(x[:8], y[:8])

@@ -1,0 +1,81 @@
+"""Keras ``model.fit`` on emulated clusters: real processes, namespaces, TF gRPC servers.
+
+Each job runs tests/keras_cluster_job.py as the chief inside the first
+namespace; the chief launches the same script on the other nodes, each of
+which fits its own rows.
+"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import clusters
+import keras_cluster_job
+
+pytestmark = [pytest.mark.multinode, clusters.needs_root]
+
+JOB = os.path.join(os.path.dirname(__file__), "keras_cluster_job.py")
+EPOCHS = 2
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    yield from clusters.emulated(tmp_path_factory, "adk2", [1, 1])
+
+
+@pytest.fixture(scope="module")
+def three_nodes(tmp_path_factory):
+    yield from clusters.emulated(tmp_path_factory, "adk3", [1, 1, 2])
+
+
+def _run_job(cluster, spec, builder, out, *extra, timeout=150):
+    chief = cluster.hosts[0].launch_prefix
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    return subprocess.run([*chief, sys.executable, JOB, spec, builder, str(out),
+                           "--epochs", str(EPOCHS), *extra],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _assert_no_job_left():
+    clusters.assert_no_process_left(JOB)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("builder", ["PS", "AllReduce", "Parallax"])
+@pytest.mark.parametrize("cluster_name", ["two_nodes", "three_nodes"])
+def test_fit_on_a_cluster_equals_single_device_fit(request, tmp_path, cluster_name, builder):
+    cluster, spec = request.getfixturevalue(cluster_name)
+    out = tmp_path / "weights.npz"
+    done = _run_job(cluster, spec, builder, out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    num_replicas = sum(h.num_cpus for h in cluster.hosts)
+    want, history = keras_cluster_job.reference(num_replicas, EPOCHS)
+    got = np.load(out)
+    assert len(got.files) == len(want)
+    for i, expected in enumerate(want):
+        np.testing.assert_allclose(got[f"arr_{i}"], expected, rtol=1e-5, atol=1e-5)
+    # Every node fitted; each logs the loss of its own rows, which average to
+    # single-device training's (equal rows per replica, one replica per node here
+    # but the last node's two).
+    losses = {}
+    for line in done.stdout.splitlines():
+        if " history " in line:
+            node = int(line.split()[1])
+            losses[node] = eval(line.split(" history ", 1)[1])["loss"]  # noqa: S307 - our own dict
+    assert sorted(losses) == list(range(len(cluster.hosts)))
+    weights = [h.num_cpus for h in cluster.hosts]
+    mean_first_epoch = np.average([losses[n][0] for n in sorted(losses)], weights=weights)
+    np.testing.assert_allclose(mean_first_epoch, history["loss"][0], rtol=1e-5)
+    _assert_no_job_left()
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_killed_mid_fit_is_reported_by_name(two_nodes, tmp_path):
+    cluster, spec = two_nodes
+    done = _run_job(cluster, spec, "AllReduce", tmp_path / "w.npz", "--die-at", "1")
+    assert done.returncode != 0
+    worker = cluster.hosts[1].address
+    assert f"Worker node '{worker}' failed" in done.stderr, done.stderr[-3000:]
+    _assert_no_job_left()
