@@ -1,6 +1,10 @@
 """AutoDist: distributed training of single-device TensorFlow models by explicit strategies."""
 
+from autodist import _startup
+
 __all__ = ["AutoDist"]
+
+_startup.install()  # before anything imports TensorFlow
 
 
 def __getattr__(name: str):

@@ -16,13 +16,13 @@ Run from the repository root:
 import argparse
 import os
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Imported first, AutoDist keeps TensorFlow's C++ start-up logs quiet
+# (AUTODIST_TF_LOGS=1 shows them).
+from autodist import AutoDist
+import keras
+import numpy as np
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-
-from autodist import AutoDist  # noqa: E402
-from autodist.strategy import BUILDERS, Strategy, get_builder  # noqa: E402
+from autodist.strategy import BUILDERS, Strategy, get_builder
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_SPEC = os.path.join(HERE, "..", "configs", "local_2cpu.yml")
