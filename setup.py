@@ -13,10 +13,10 @@ setup(
         "numpy",
         "PyYAML",
         "grpcio>=1.85",
+        "matplotlib",  # the strategy search's plot (search.png)
     ],
     entry_points={"console_scripts": ["autodist=autodist.cli:main"]},
     extras_require={
-        "plot": ["matplotlib"],  # the strategy search's progress plot
-        "test": ["pytest", "pytest-timeout", "grpcio-tools>=1.85", "matplotlib"],
+        "test": ["pytest", "pytest-timeout", "grpcio-tools>=1.85"],
     },
 )

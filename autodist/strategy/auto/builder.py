@@ -172,7 +172,7 @@ def search_strategy(graph: Any, resource_spec: ResourceSpec, runner: Optional[Sc
             return outcome
 
         result = search.run(trial, settings.trials, builders, on_trial)
-        plot(os.path.join(settings.log_dir, "search.png"), result)
+        result.plot_path = plot(os.path.join(settings.log_dir, "search.png"), result)
     result.best.save(os.path.join(settings.log_dir, "best.strategy"))
     if search.simulator.trained:
         search.simulator.save(simulator_path)
@@ -191,20 +191,38 @@ def timed_steps(steps: int, min_seconds: float, fastest: Optional[float]) -> int
 
 
 class _Progress:
-    """A progress bar over trials with the best time so far and the hit rate."""
+    """One line per trial: its source, its time, the best so far and the hit rate."""
 
     def __init__(self, trials: int):
-        import keras
-        self._bar = keras.utils.Progbar(trials, unit_name="trial",
-                                        stateful_metrics=["best_ms", "last_ms", "hit_rate"])
+        self._trials = trials
 
     def update(self, entry, so_far: SearchResult) -> None:
-        values = [("last_ms", 1e3 * entry.result.seconds_per_step if entry.result.ok else -1.0)]
-        if so_far.best_seconds is not None:
-            values.append(("best_ms", 1e3 * so_far.best_seconds))
-        if so_far.hit_rate is not None:
-            values.append(("hit_rate", so_far.hit_rate))
-        self._bar.update(entry.index, values)
+        print(format_progress(entry.index, self._trials, entry.source,
+                              entry.result.seconds_per_step if entry.result.ok else None,
+                              so_far.best_seconds, so_far.hit_rate), flush=True)
+
+
+def format_progress(index: int, trials: int, source: str, seconds: Optional[float],
+                    best_seconds: Optional[float], hit_rate: Optional[float]) -> str:
+    """A progress line, e.g. ``trial 3/30  sampled      2.2 ms · best 2.2 ms · hit rate 50%``.
+
+    Args:
+        source: the trial's source (``builder:<name>``, ``search``, ``explore``).
+        seconds: the trial's time per step, or None when it failed.
+        best_seconds: the fastest time so far, or None.
+        hit_rate: the share of searched trials faster than the best builder, or None.
+    """
+    if source.startswith("builder:"):
+        origin = source.split(":", 1)[1]
+    else:
+        origin = "sampled at random" if source == "explore" else "sampled"
+    parts = [f"{1e3 * seconds:.1f} ms" if seconds is not None else "failed"]
+    if best_seconds is not None:
+        parts.append(f"best {1e3 * best_seconds:.1f} ms")
+    if hit_rate is not None:
+        parts.append(f"hit rate {100 * hit_rate:.0f}%")
+    width = len(str(trials))
+    return f"trial {index:>{width}}/{trials}  {origin:<20} " + " · ".join(parts)
 
 
 def _problem_key(graph, resource_spec: ResourceSpec) -> str:

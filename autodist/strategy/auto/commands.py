@@ -54,8 +54,12 @@ def _search(args: argparse.Namespace) -> int:
         print(line)
     else:
         print(f"Best predicted (no trials): {result.best.id}")
-    print(f"Saved to {path}; log, plot and simulator in {args.log_dir}/.\n"
-          f"Reuse it: AutoDist(..., strategy_builder=Strategy.load({path!r}))")
+    print(f"Saved to {path}; log and simulator in {args.log_dir}/.")
+    if result.plot_path:
+        print(f"Plot: {result.plot_path}")
+    else:
+        print("No plot: matplotlib is not installed (python3 -m pip install matplotlib).")
+    print(f"Reuse it: AutoDist(..., strategy_builder=Strategy.load({path!r}))")
     return 0
 
 

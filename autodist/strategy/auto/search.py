@@ -97,6 +97,7 @@ class SearchResult:
     baseline_seconds: Optional[float]   # the best hand-written builder's time
     simulator: RankingSimulator
     calibration: Calibration = dataclasses.field(default_factory=Calibration)
+    plot_path: Optional[str] = None  # search.png, once drawn
 
     @property
     def hit_rate(self) -> Optional[float]:
