@@ -5,14 +5,42 @@ and rewrites only that, so the scripts can run in any order.
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import platform
+import shlex
 import tempfile
 from importlib import metadata
 
-HEADER = ("# Benchmarks\n\nResults of the scripts in `benchmarks/`; each script "
-          "rewrites only its own section.\n")
+# Sections in the order they appear, each as (heading, GitHub's anchor of it): the
+# page's table of contents. A script whose markers are absent appends its section.
+SECTIONS = (
+    ("Graph-rewrite time vs. model size and replicas (`transform_scale`)",
+     "graph-rewrite-time-vs-model-size-and-replicas-transform_scale"),
+    ("Step time vs. the ring all-reduce bound (`step_time`)",
+     "step-time-vs-the-ring-all-reduce-bound-step_time"),
+    ("AutoStrategy vs. the hand-written builders (`auto_vs_builders`)",
+     "autostrategy-vs-the-hand-written-builders-auto_vs_builders"),
+    ("Sampling and scoring AutoStrategy's candidates (`sampling_speed`)",
+     "sampling-and-scoring-autostrategys-candidates-sampling_speed"),
+    ("Keras fit step time vs tf.distribute (`keras_step_time`)",
+     "keras-fit-step-time-vs-tfdistribute-keras_step_time"),
+)
+
+HEADER = "\n".join([
+    "# Benchmarks", "",
+    "What AutoDist costs (rewriting the graph, sampling strategies) and what it gains (step "
+    "time against the network's bound and against tf.distribute, AutoStrategy against the "
+    "hand-written builders), measured on 2-core machines with emulated clusters standing in "
+    "for real networks.", "",
+    "Each section gives what it measures, its goal and whether it holds, when and on what it "
+    "ran, the command that reproduces it, its table(s) and a few findings; the longer "
+    "investigations behind the figures are in `docs/notes/`, linked from each section. Each "
+    "script in `benchmarks/` rewrites only its own section.", "",
+    "**Contents**", "",
+    *[f"- [{heading}](#{anchor})" for heading, anchor in SECTIONS], ""])
+
 
 
 def machine_info() -> dict:
@@ -27,6 +55,32 @@ def machine_info() -> dict:
     return {"date": datetime.date.today().isoformat(), "cores": os.cpu_count(), "cpu": cpu,
             "tf": metadata.version("tensorflow"), "python": platform.python_version(),
             "load": "%.1f" % os.getloadavg()[0]}
+
+
+def command_line(script: str, parser: argparse.ArgumentParser, args: argparse.Namespace,
+                 skip: tuple = ("out", "no_write")) -> str:
+    """The command that reruns ``script`` (a path from the repository's root) with ``args``:
+    the options whose values differ from ``parser``'s defaults, in the parser's order.
+
+    Hidden options and those named in ``skip`` (by ``dest``) are left out.
+    """
+    words = ["python", script]
+    for action in parser._actions:  # pylint: disable=protected-access
+        if (not action.option_strings or action.help == argparse.SUPPRESS
+                or action.dest in skip or action.dest == "help"):
+            continue
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        flag = next((o for o in action.option_strings if o.startswith("--")),
+                    action.option_strings[0])
+        if action.nargs == 0:
+            words.append(flag)
+        elif isinstance(value, (list, tuple)):
+            words += [flag, *(shlex.quote(str(v)) for v in value)]
+        else:
+            words += [flag, shlex.quote(str(value))]
+    return " ".join(words)
 
 
 def write_section(path: str, section: str, begin: str, end: str) -> None:

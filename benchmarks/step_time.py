@@ -414,9 +414,12 @@ def goal_verdict(rows: list):
     return "ratio" in goal and goal["ratio"] <= GOAL_RATIO, "; ".join(parts)
 
 
-def _analysis(rows: list, floor_rows: list, args, nbytes: int) -> list:
-    """Paragraphs explaining the AllReduce figures, with the numbers this run measured."""
-    n = args.nodes
+NOTES = "notes/step_time.md"  # relative to the docs page
+
+
+def _findings(rows: list, floor_rows: list, args, nbytes: int) -> list:
+    """Short findings on the figures this run measured; the reasoning behind them is in NOTES."""
+    n, gbit = args.nodes, args.gbit
     chunk_mb = nbytes / n / 1e6
     out = []
     default, raw = _row(rows, GOAL_BUILDER), _row(rows, RAW)
@@ -425,47 +428,41 @@ def _analysis(rows: list, floor_rows: list, args, nbytes: int) -> list:
         lead = ("AutoDist adds little to TensorFlow's own collective" if overhead < 0.1 else
                 f"AutoDist is {overhead:.0%} slower than TensorFlow's own collective")
         out.append(
-            f"*Where the time goes.* {lead}: the default `AllReduce` (all {args.vars} "
-            "gradients in one group, so one "
-            f"`CollectiveReduceV2` of {nbytes / 1e6:.1f} MB) takes {default['median_s']:.3f} s, "
-            f"and `{RAW}`, the same collective in a bare TF job without AutoDist, "
-            f"{raw['median_s']:.3f} s. The bare collective keeps the op's default "
-            "`max_subdivs_per_device=-1`, so TF's ring makes a single pass: the tensor is cut "
-            f"into {n} chunks of {chunk_mb:.1f} MB and each of the 2(n-1) = {2 * (n - 1)} ring "
-            "steps pulls a whole chunk from the previous node over gRPC (`RecvBuf`: the tensor "
-            "is copied into a response, sent, parsed and added) before it is forwarded, so the "
-            "CPU work of one step does not overlap the wire time of the next. AutoDist asks "
-            "for 4 sub-rings per device, whose pieces overlap one another's transfer.")
+            f"{lead}: default `AllReduce` (all {args.vars} gradients in one "
+            f"{nbytes / 1e6:.1f} MB `CollectiveReduceV2`) {default['median_s']:.3f} s, the same "
+            f"collective in bare TF (`{RAW}`) {raw['median_s']:.3f} s. Bare TF makes one ring "
+            f"pass, each of its 2(n-1) = {2 * (n - 1)} steps copying a whole {chunk_mb:.1f} MB "
+            f"chunk (of {n}) before forwarding it; AutoDist's 4 sub-rings per device overlap "
+            f"([why]({NOTES}#where-the-time-goes)).")
     split = [r for r in rows if "median_s" in r and _is_split(r["builder"], args.vars, n)]
     if split:
         best = min(split, key=lambda r: r["median_s"])
         figures = ", ".join(f"`{r['builder']}` {r['median_s']:.3f} s ({r['ratio']:.2f}x)"
                             for r in split)
         out.append(
-            "*Several collectives instead of one* (a smaller `chunk_size`, more partitions "
-            "per group, or in bare TF more `chunks` or sub-rings via `max_subdivs_per_device`) "
-            "let one piece's copying and adding overlap "
-            f"another's transfer: {figures}. The best, `{best['builder']}`, is "
-            f"{best['ratio']:.2f}x the bound"
-            + ("; the different splits land within 15% of each other, so what remains is not "
-               "the ring's shape." if max(r["median_s"] for r in split) < 1.15 * best["median_s"]
+            "Several collectives instead of one overlap one piece's copying with another's "
+            f"transfer: {figures}; best `{best['builder']}`, {best['ratio']:.2f}x the bound"
+            + ("; the splits land within 15% of each other, so what remains is not the "
+               "ring's shape." if max(r["median_s"] for r in split) < 1.15 * best["median_s"]
                else "."))
     ar = [r for r in rows if "machine_busy" in r and _is_all_reduce(r["builder"])]
     measured = [r for r in floor_rows if "median_s" in r]
     if measured:
         figures = ", ".join(f"`{r['builder']}` {r['median_s']:.3f} s (machine "
                             f"{r['machine_busy']:.0%} busy)" for r in measured)
-        busy = (f" During the all-reduce rows above the machine was "
+        busy = (f"; at {args.bandwidth} the all-reduce rows kept it "
                 f"{min(r['machine_busy'] for r in ar):.0%} to "
-                f"{max(r['machine_busy'] for r in ar):.0%} busy (other work on it included)."
-                if ar else "")
+                f"{max(r['machine_busy'] for r in ar):.0%} busy" if ar else "")
         out.append(
-            f"*CPU floor.* With the same cluster's links at {args.floor_bandwidth}, so the "
-            f"network is no longer the limit, the steps still take {figures}: all-reducing "
-            f"{nbytes / 1e6:.0f} MB through gRPC and the emulated links (veth, bridge, "
-            f"tc) costs that much CPU on {os.cpu_count()} cores shared by {n} TensorFlow "
-            "processes. At the nominal bandwidth a step therefore takes about the larger of "
-            "wire time and CPU time, plus whatever of the two does not overlap." + busy)
+            f"CPU floor: with {args.floor_bandwidth} links the steps still take {figures}, "
+            f"the CPU cost of all-reducing {nbytes / 1e6:.0f} MB on {os.cpu_count()} cores "
+            f"shared by {n} TensorFlow processes{busy} ([more]({NOTES}#cpu-floor)).")
+    ps = _row(rows, "PS")
+    out.append(
+        f"One parameter server must receive, then send, (n-1) x bytes: "
+        f"{(n - 1) * nbytes / (gbit * 1e9 / 8):.2f} s each way"
+        + (f" (`PS` {ps['median_s']:.3f} s, {ps['ratio']:.2f}x)" if ps else "")
+        + "; sharding over all nodes moves as many bytes per link as the ring.")
     return out
 
 
@@ -488,14 +485,14 @@ def _is_split(builder: str, num_vars: int, num_replicas: int) -> bool:
 
 
 def format_markdown(rows: list, floor_rows: list, info: dict, args, nbytes: int,
-                    links: list) -> str:
+                    links: list, command: str = "python benchmarks/step_time.py") -> str:
     holds, verdict = goal_verdict(rows)
     status = {True: "the goal **holds**", False: "the goal **does not hold**",
               None: "not measured"}[holds]
     n, gbit = args.nodes, args.gbit
     env = " ".join(f"{k}={os.environ[k]}" for k in ENV)
     bad = [r["builder"] for r in rows + floor_rows if r.get("loss_decreased") is False]
-    sanity = ("The loss went down over the run of every measured builder." if not bad else
+    sanity = ("The loss went down for every builder." if not bad else
               f"The loss did NOT go down for {bad}.")
     floor = []
     if floor_rows:
@@ -506,43 +503,37 @@ def format_markdown(rows: list, floor_rows: list, info: dict, args, nbytes: int,
         BEGIN,
         "## Step time vs. the ring all-reduce bound (`step_time`)",
         "",
-        f"Per-iteration time of each builder on an emulated {n}-node cluster "
-        f"(`autodist emulate`, {args.bandwidth} per link each way, 1 CPU replica per node) for a "
-        f"communication-bound model: {args.vars} dense float32 variables of "
-        f"[{args.side}, {args.side}] ({nbytes / 1e6:.1f} MB) behind a [{ROWS_PER_REPLICA}, "
-        f"{args.side}] input chained through them, plain SGD, so compute is negligible next "
-        f"to moving the gradients. *ring bound* = 2(n-1)/n x bytes / bandwidth = "
+        f"**Measures:** seconds per step of each builder on an emulated {n}-node cluster "
+        f"({args.bandwidth} links each way, 1 CPU replica per node) for a communication-bound "
+        f"model ({args.vars} float32 variables of [{args.side}, {args.side}], "
+        f"{nbytes / 1e6:.1f} MB, behind a [{ROWS_PER_REPLICA}, {args.side}] input; plain SGD), "
+        "against the *ring bound* 2(n-1)/n x bytes / bandwidth = "
         f"2 x {n - 1}/{n} x {nbytes / 1e6:.1f} MB / {gbit * 1000 / 8:.0f} MB/s = "
-        f"{ring_bound(n, nbytes, gbit):.3f} s, the least any all-reduce needs. (A single "
-        "parameter server must receive, then send, (n-1) x bytes: "
-        f"{(n - 1) * nbytes / (gbit * 1e9 / 8):.2f} s each way; even sharding over all nodes "
-        "moves as many bytes per link as the ring.)",
+        f"{ring_bound(n, nbytes, gbit):.3f} s, the least any all-reduce needs.",
         "",
         f"**Goal:** `AllReduce` (default arguments) within {GOAL_RATIO}x of the ring bound. "
         f"**Result:** {status} ({verdict}).",
         "",
-        f"Measured {info['date']} on {info['cores']} cores ({info['cpu']}) shared by all "
-        f"{n} nodes' TensorFlow processes, TensorFlow {info['tf']}, Python {info['python']}, "
-        f"with `{env}`; {args.warmup} warm-up steps, then {args.steps} timed steps on the "
-        f"chief (*median*, *mean* = wall time / steps, *min*); 1-minute load average "
-        f"{info['load']} when the run finished (other work on the machine inflates the "
-        f"figures). {_links_sentence(links)} {sanity}",
+        f"Measured {info['date']} on {info['cores']} cores ({info['cpu']}) shared by the {n} "
+        f"nodes, TensorFlow {info['tf']}, Python {info['python']}, `{env}`; {args.warmup} "
+        f"warm-up + {args.steps} timed steps; 1-minute load average {info['load']} at the end. "
+        f"{_links_sentence(links)} {sanity}",
         "",
-        "Columns: *ratio* = median / ring bound; *ratio at wire bytes*: a float16 "
-        "compressor against the bound at half the bytes; *chief CPU*: CPU seconds of the "
-        "chief's process per step; *machine busy*: share of all cores busy during the timed "
-        "steps; *session s*: `create_distributed_session` on the chief (rewrite, joining the "
-        f"cluster, initialisation). `{RAW}` rows are TensorFlow's `CollectiveReduceV2` on "
-        "the same bytes in a bare TF job, without AutoDist (`chunks`: collectives; `dtype`: "
-        "on the wire). `Parallax` all-reduces every variable of this dense-only model.",
+        f"Command (root, iproute2): `{command}` (`--builders AllReduce:chunk_size=1 "
+        "--no-write` for one case).",
         "",
         *_markdown_table(rows),
         *floor,
         "",
-        *[p + "\n" for p in _analysis(rows, floor_rows, args, nbytes)],
+        "*ratio* = median / ring bound; *ratio at wire bytes*: a float16 compressor against "
+        f"the bound at half the bytes; `{RAW}`: the same bytes through TensorFlow's collective "
+        f"without AutoDist ([all columns]({NOTES}#columns)).",
+        "",
+        *[f"- {f}" for f in _findings(rows, floor_rows, args, nbytes)],
+        "",
         *([f"{args.notes}", ""] if args.notes else []),
-        "Reproduce (root, iproute2): `python benchmarks/step_time.py` "
-        "(`--help` for options; `--builders AllReduce:chunk_size=1 --no-write` for one case).",
+        f"Details: [notes]({NOTES}) (the model and the bound, the columns, where the time "
+        "goes, the CPU floor).",
         END,
     ])
 
@@ -565,9 +556,8 @@ def _links_sentence(links: list) -> str:
     if not links:
         return "The links were not probed."
     rates = [g for m in links for g in (m.to_node_gbit, m.from_node_gbit)]
-    return (f"`autodist probe` measured {min(rates):.3f} to {max(rates):.3f} Gbit/s of TCP "
-            "throughput between the chief and each other node (one link at a time, each "
-            "direction).")
+    return (f"`autodist probe`: {min(rates):.3f} to {max(rates):.3f} Gbit/s of TCP between the "
+            "chief and each node.")
 
 
 
@@ -650,7 +640,10 @@ def main(argv=None) -> int:
     print(f"\nGoal {GOAL_BUILDER} <= {GOAL_RATIO}x ring bound: "
           f"{ {True: 'holds', False: 'DOES NOT HOLD', None: 'not measured'}[holds] } ({verdict})")
     if not args.no_write:
-        section = format_markdown(rows, floor_rows, report.machine_info(), args, nbytes, links)
+        command = report.command_line("benchmarks/step_time.py", parser, args,
+                                      skip=("out", "no_write", "json", "notes"))
+        section = format_markdown(rows, floor_rows, report.machine_info(), args, nbytes, links,
+                                  command)
         report.write_section(args.out, section, BEGIN, END)
         print(f"wrote the step_time section of {args.out}")
     return 0 if holds is not False else 1

@@ -231,7 +231,31 @@ def goal_verdict(rows: list):
 
 
 
-def format_markdown(rows: list, info: dict, args) -> str:
+NOTES = "notes/transform_scale.md"  # relative to the docs page
+
+
+def _largest_case_finding(rows: list):
+    """A sentence on where the largest case's time goes, or None when it was not measured."""
+    good = [r for r in rows if "error" not in r
+            and all(r.get(k) is not None for k in ("transform", "rewrite", "session",
+                                                   "create_session"))]
+    if not good:
+        return None
+    most_vars = max(r["vars"] for r in good)
+    most_replicas = max(r["replicas"] for r in good if r["vars"] == most_vars)
+    largest = [r for r in good if r["vars"] == most_vars and r["replicas"] == most_replicas]
+    lead = ("`transform` is most of the rewrite"
+            if all(r["transform"] > r["rewrite"] / 2 for r in largest)
+            else "`transform` is part of the rewrite")
+    return (f"At {most_vars} x {most_replicas}, {lead}, and session and initialisation add "
+            "to it in `create_distributed_session`: "
+            + "; ".join(f"{r['builder']} `transform` {r['transform']:.2f} of {r['rewrite']:.2f} s, "
+                        f"{r['create_session']:.2f} s in all (session+init {r['session']:.2f} s)"
+                        for r in largest) + ".")
+
+
+def format_markdown(rows: list, info: dict, args,
+                    command: str = "python benchmarks/transform_scale.py") -> str:
     holds, verdict = goal_verdict(rows)
     status = {True: "the goal **holds**", False: "the goal **does not hold**",
               None: "not measured"}[holds]
@@ -249,40 +273,40 @@ def format_markdown(rows: list, info: dict, args) -> str:
         bad = [f"{r['builder']} {r['vars']}x{r['replicas']}" for r in stepped
                if not r["loss_decreased"]]
         sanity = f"After the rewrite one training step did NOT lower the loss in: {bad}."
+    var_counts = sorted({r["vars"] for r in rows})
+    replica_counts = sorted({r["replicas"] for r in rows})
+    findings = [f for f in (_largest_case_finding(rows), sanity) if f]
     return "\n".join([
         BEGIN,
         "## Graph-rewrite time vs. model size and replicas (`transform_scale`)",
         "",
-        "How long AutoDist takes to turn a single-device graph into the distributed one, for "
-        f"synthetic models of N `{args.width}x{args.width}` variables (a residual chain of "
-        "matmuls, so every variable gets a gradient; `tf.compat.v1` Adam) on one node "
-        "with N CPU replicas (`cpus: [0..n-1]`).",
+        "**Measures:** the seconds AutoDist takes to rewrite a single-device graph into the "
+        f"distributed one, for synthetic models of {', '.join(map(str, var_counts))} "
+        f"`{args.width}x{args.width}` variables (`tf.compat.v1` Adam) on one node with "
+        f"{', '.join(map(str, replica_counts))} CPU replicas.",
         "",
         f"**Goal:** the {GOAL_VARS}-variable (about BERT-large's count) x {GOAL_REPLICAS}-replica "
         f"rewrite finishes in under {GOAL_SECONDS:g} s on a 2-core machine. "
         f"**Result:** {status} ({verdict}).",
         "",
         f"Measured {info['date']} on {info['cores']} cores ({info['cpu']}), TensorFlow "
-        f"{info['tf']}, Python {info['python']}, with `{env}`; each case in a fresh process; "
-        f"1-minute load average {info['load']} when the run finished (other work on the "
-        "machine inflates the figures). " + sanity,
+        f"{info['tf']}, Python {info['python']}, `{env}`; each case in a fresh process, one "
+        f"run each; 1-minute load average {info['load']} at the end.",
         "",
-        "Columns: *ops in/out*: ops of the user's graph / the distributed graph; *GraphItem*, "
-        "*build*, *compile*, *transform*: the pipeline phases (`GraphItem(...)`, "
-        "`builder.build`, `compile_strategy`, `transform`); **rewrite**: their sum; "
-        "*session+init*: `DistributedSession` (session creation and variable "
-        "initialisation); *create_distributed_session*: the whole public call (rewrite + "
-        "session + init), of which the phases are parts. Seconds, one run each.",
+        f"Command: `{command}` (`--help` for options).",
         "",
         *table,
         "",
-        "Reproduce: `python benchmarks/transform_scale.py` (`--help` for options; "
-        "`--stages PS 400 8` times the stages inside `transform` for one case, "
-        "`--profile PS 400 8` prints its cProfile).",
+        "Seconds. **rewrite** = GraphItem + build + compile + transform; "
+        "*create_distributed_session* = rewrite + session+init "
+        f"([all columns]({NOTES}#columns)).",
+        "",
+        *[f"- {f}" for f in findings],
+        "",
+        f"Details: [notes]({NOTES}) (the model, how a case runs, the columns, "
+        "`--stages` and `--profile` for one case).",
         END,
     ])
-
-
 
 
 # --------------------------------------------------------------------------- profiling
@@ -449,8 +473,9 @@ def main(argv=None) -> int:
     print(f"\nGoal {GOAL_VARS} x {GOAL_REPLICAS} rewrite < {GOAL_SECONDS:g} s: "
           f"{ {True: 'holds', False: 'DOES NOT HOLD', None: 'not measured'}[holds] } ({verdict})")
     if not args.no_write:
-        report.write_section(args.out, format_markdown(rows, report.machine_info(), args),
-                             BEGIN, END)
+        command = report.command_line("benchmarks/transform_scale.py", parser, args)
+        report.write_section(args.out, format_markdown(rows, report.machine_info(), args,
+                                                       command), BEGIN, END)
         print(f"wrote the transform_scale section of {args.out}")
     return 0 if holds is not False else 1
 

@@ -213,7 +213,7 @@ def test_the_busiest_nic_of_each_phase_binds():
 def test_refreshes_overlap_the_other_parts_pushes(num_parts):
     # B pushes 8 MB to A (0.064 s) and refreshes 8 MB of proxies (0.064 s, inbound).
     # A part's refresh follows its own push, so the last part's refresh adds.
-    # (Measured: docs/benchmarks.md, "Proxies refreshed part by part".)
+    # (Measured: docs/notes/auto_strategy.md, "Proxies refreshed part by part".)
     pair = spec((A, 1, 1), (B, 1, 1))
     names = [f"v{i}" for i in range(num_parts)]
     variables = [vec(n, 2_000_000 // num_parts) for n in names]

@@ -25,7 +25,7 @@ from autodist.kernels.context import KernelContext, replica_scope
 COLLECTIVE_GROUP_KEY = 1
 # Sub-rings per device: a merged group is one large buffer, and with a single
 # ring every step copies a whole chunk before adding it; several overlap the
-# transfer of one piece with the arithmetic of another (docs/benchmarks.md).
+# transfer of one piece with the arithmetic of another (docs/notes/step_time.md).
 _RING_SUBDIVISIONS = 4
 
 

@@ -2,7 +2,7 @@
 
 The default weights (``CostWeights``) come from the benchmark clusters. On the
 cluster at hand a component can weigh more or less: on the mlp setting of
-``docs/benchmarks.md`` a serving node cost about half its default and a PS part
+``docs/notes/auto_strategy.md`` a serving node cost about half its default and a PS part
 about fifteen times its default. The cost model's structure stays; a calibration
 multiplies each component's seconds by a factor of its own and adds a constant,
 the compute time the model leaves out::

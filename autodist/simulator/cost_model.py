@@ -32,7 +32,7 @@ The prediction is a linear combination of a few named components, each a
   step (send, accumulate, apply, read), so that many tiny parts cost something.
 * ``ps_serving_nodes`` (nodes serving PS parts with a gradient, on a cluster):
   as measured, each such node adds a fixed time to every step beyond its bytes
-  (``docs/benchmarks.md``; its cause is not pinned down).
+  (``docs/notes/auto_strategy.md``; its cause is not pinned down).
 * ``split_step`` (1 when a cluster's step mixes PS and AllReduce gradients): the
   step runs twice, its PS traffic waits for the collectives, and every node
   waits for the slowest at the barrier in between.
@@ -79,7 +79,7 @@ class CostWeights:
             ``2 (n - 1)`` dependent hops of some tens of microseconds each.
         all_reduce_part_overhead: seconds per all-reduced part and step;
             fitted on the mlp trials of ``benchmarks/auto_vs_builders.py``
-            (0.8-1.3 ms, ``docs/benchmarks.md``), where four replicas share
+            (0.8-1.3 ms, ``docs/notes/auto_strategy.md``), where four replicas share
             two cores.
         ps_transfer: multiplier of the busiest PS resource's transfer time.
         ps_part_overhead: seconds per PS part and step: a handful of send,
@@ -92,7 +92,7 @@ class CostWeights:
         optimizer_update: seconds per GB of variables updated on the busiest
             node: tf.compat.v1 Adam reads and writes the variable, its two
             slots and the gradient; fitted on the mlp trials of
-            ``benchmarks/auto_vs_builders.py`` (``docs/benchmarks.md``).
+            ``benchmarks/auto_vs_builders.py`` (``docs/notes/auto_strategy.md``).
     """
 
     ring_all_reduce: float = 1.0

@@ -41,7 +41,7 @@ i.e. towards the prior, where trials say nothing.
 
 How much to trust. A correction learned from a few dozen trials can rank
 strategies it never saw worse than the cost model alone: in the benchmark
-searches of ``docs/benchmarks.md``, the simulator's scores given before each
+searches of ``docs/notes/auto_strategy.md``, the simulator's scores given before each
 trial ranked the trials worse than the cost model's did on all three settings.
 So, with a prior, every fit also cross-validates: the trials are split into
 ``validation_folds`` folds, a model is trained from the initial weights on all
