@@ -116,8 +116,41 @@ class _Loc(NamedTuple):
         return _error(self.source, f"{self.owner} {text}")
 
 
+_MAX_MESSAGE = 1500  # characters of an error message; a spec's values may be huge
+
+
 def _error(source: str, text: str) -> ResourceSpecError:
-    return ResourceSpecError(f"Resource spec {source!r}: {text}")
+    message = f"Resource spec {source!r}: {text}"
+    if len(message) > _MAX_MESSAGE:
+        message = f"{message[:_MAX_MESSAGE - 300]} ... {message[-250:]}"
+    return ResourceSpecError(message)
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """Safe YAML without aliases or duplicate keys.
+
+    An alias repeats a subtree by reference, so a few hundred bytes can expand to
+    gigabytes; a duplicate key silently keeps its last value. A spec needs neither.
+    """
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise yaml.composer.ComposerError(
+                None, None, "aliases (*name) are not allowed in a resource spec; write the "
+                "values out", mark)
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} appears twice in one mapping; keep one",
+                    key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 def _is_int(v: Any) -> bool:
@@ -128,8 +161,12 @@ def _is_str(v: Any) -> bool:
     return isinstance(v, str) and bool(v.strip())
 
 
+MAX_DEVICE_ID = 1023  # TensorFlow makes max(id) + 1 logical devices on the node
+
+
 def _is_ids(v: Any) -> bool:
-    return isinstance(v, list) and all(_is_int(i) and i >= 0 for i in v) and len(set(v)) == len(v)
+    return (isinstance(v, list) and all(_is_int(i) and 0 <= i <= MAX_DEVICE_ID for i in v)
+            and len(set(v)) == len(v))
 
 
 def _is_env(v: Any) -> bool:
@@ -151,9 +188,11 @@ class _Field(NamedTuple):
 
 _NODE_FIELDS = {
     "address": _Field(_is_str, "a non-empty string", "address: 10.0.0.1", str, True),
-    "cpus": _Field(lambda v: _is_ids(v) and bool(v), "a non-empty list of distinct non-negative integer ids "
-                   "(omit it to get the default [0])", "cpus: [0, 1]", tuple),
-    "gpus": _Field(_is_ids, "a list of distinct non-negative integer ids", "gpus: [0, 1]", tuple),
+    "cpus": _Field(lambda v: _is_ids(v) and bool(v), "a non-empty list of distinct integer ids "
+                   f"from 0 to {MAX_DEVICE_ID} (omit it to get the default [0])", "cpus: [0, 1]",
+                   tuple),
+    "gpus": _Field(_is_ids, f"a list of distinct integer ids from 0 to {MAX_DEVICE_ID}",
+                   "gpus: [0, 1]", tuple),
     "chief": _Field(lambda v: isinstance(v, bool), "a boolean", "chief: true", bool),
     "ssh_config": _Field(_is_str, "the name of an entry under 'ssh'", "ssh_config: conf1", str),
     "network_bandwidth": _Field(
@@ -214,7 +253,7 @@ class ResourceSpec:
                                "or start from configs/local_2cpu.yml.")
         try:
             with open(path, encoding="utf-8") as f:
-                spec = yaml.safe_load(f)
+                spec = yaml.load(f, Loader=_StrictLoader)  # noqa: S506 - a safe loader
         except (OSError, UnicodeDecodeError) as e:
             raise _error(path, f"the file could not be read ({e}). Check its permissions and that it "
                                "is UTF-8 text.") from e

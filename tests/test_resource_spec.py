@@ -70,7 +70,7 @@ BAD_SPECS = [
     ("cpus_not_list", _with({"cpus": 0}), ["node 2 ('10.0.0.2')", "'cpus'", "is 0"]),
     ("cpus_non_int", _with({"cpus": [0, "1"]}), ["'cpus'", "[0, '1']"]),
     ("cpus_bool", _with({"cpus": [True]}), ["'cpus'", "[True]"]),
-    ("cpus_negative", _with({"cpus": [-1]}), ["'cpus'", "[-1]", "non-negative"]),
+    ("cpus_negative", _with({"cpus": [-1]}), ["'cpus'", "[-1]", "from 0 to 1023"]),
     ("cpus_duplicate", _with({"cpus": [2, 2]}), ["'cpus'", "[2, 2]", "distinct"]),
     ("cpus_empty", _with({"cpus": []}), ["'cpus'", "[]", "non-empty", "[0]"]),
     ("gpus_not_list", _with({"gpus": "0,1"}, index=0), ["node 1", "'gpus'", "'0,1'"]),
@@ -257,3 +257,36 @@ def test_example_multi_node_config():
     assert len(spec.nodes) == 2
     workers = [n for n in spec.nodes if not n.chief]
     assert all(n.ssh_config in spec.ssh_configs for n in workers)
+
+
+# --- Bounded input: what a few bytes of YAML must not be able to do ------------------------------
+
+def test_an_alias_bomb_is_refused_at_once_with_a_short_message(tmp_path):
+    import time
+    levels = ["a: &a [" + ", ".join(['"xxxxxxxxxx"'] * 9) + "]"]
+    for level in "bcdefgh":
+        previous = chr(ord(level) - 1)
+        levels.append(f"{level}: &{level} [" + ", ".join([f"*{previous}"] * 9) + "]")
+    bomb = "\n".join(levels) + "\nnodes: [{address: localhost, cpus: *h}]\n"
+    assert len(bomb) < 1000
+    start = time.monotonic()
+    message = _error_for(tmp_path, bomb)
+    assert time.monotonic() - start < 1.0
+    assert len(message) < 2048
+    assert "aliases (*name) are not allowed" in message and "line 2" in message
+
+
+def test_a_duplicate_key_is_refused(tmp_path):
+    message = _error_for(tmp_path, "nodes:\n  - address: localhost\n    cpus: [0]\n    cpus: [0, 1]\n")
+    assert "the key 'cpus' appears twice" in message and "line 4" in message
+
+
+@pytest.mark.parametrize("ids", [[0, 99999999], [0, 10 ** 23], [1024]])
+def test_device_ids_beyond_a_sane_bound_are_refused(tmp_path, ids):
+    message = _error_for(tmp_path, {"nodes": [{"address": "localhost", "cpus": ids}]})
+    assert "field 'cpus'" in message and "from 0 to 1023" in message
+
+
+def test_a_huge_value_is_shown_truncated(tmp_path):
+    message = _error_for(tmp_path, {"nodes": [{"address": "localhost", "cpus": "x" * 100_000}]})
+    assert len(message) <= 1500 and " ... " in message and "field 'cpus'" in message
