@@ -17,6 +17,7 @@ from autodist.kernels.transformer import transform
 from autodist.resource_spec import DeviceSpec, ResourceSpec
 from autodist.session import DistributedSession
 from autodist.strategy.auto import trial
+from autodist.strategy.all_reduce_builders import AllReduce
 from autodist.strategy.base import Strategy, StrategyBuilder
 from autodist.strategy.compiler import CompiledStrategy, compile_strategy
 
@@ -29,20 +30,33 @@ class AutoDist:
 
     Example:
         ad = AutoDist(resource_spec_file="configs/local_2cpu.yml", strategy_builder=PS())
-        with tf.Graph().as_default(), ad.scope():
+        with ad.scope():
+            model = keras.Sequential([...])
+            model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+        model.fit(x, y, batch_size=64)        # or: step = ad.function(train_step)
+
+        with tf.Graph().as_default(), ad.scope():   # tf.compat.v1 graphs
             ...  # the single-device model and a tf.compat.v1.train optimizer
             sess = ad.create_distributed_session()
 
     Note:
-        The model, including the optimizer's ``minimize``/``apply_gradients``, must
-        be built inside ``ad.scope()``, and the session created there too. On a
-        cluster the chief starts this same script on every other node; each node
-        must build the same graph and feeds its own data.
+        A Keras model must be compiled inside ``ad.scope()`` (``fit`` may follow
+        outside it); a graph's model, including the optimizer's
+        ``minimize``/``apply_gradients``, must be built inside it and the session
+        created there too. On a cluster the chief starts this same script on
+        every other node; each node must build the same model and feeds its own
+        data.
+
+    Warning:
+        On a cluster the chief installs process-wide handlers: SIGTERM stops the
+        job (status 143) and an uncaught error ends the process right after it is
+        printed, having stopped the workers. A worker ends with its chief.
 
     Args:
         resource_spec_file: path of the cluster's YAML resource spec.
         strategy_builder: a builder (``PS()``, ``AllReduce()``, ...) or a saved
-            ``Strategy`` to reuse.
+            ``Strategy`` to reuse; by default ``AllReduce()``, the fastest
+            hand-written builder on most of the benchmarks' models.
 
     Raises:
         ResourceSpecError: when the spec is missing or invalid.
@@ -50,15 +64,18 @@ class AutoDist:
     """
 
     def __init__(self, resource_spec_file: str,
-                 strategy_builder: Union[StrategyBuilder, Strategy]):
+                 strategy_builder: Union[StrategyBuilder, Strategy, None] = None):
         # A strategy search runs this script on its own spec.
         self._resource_spec = ResourceSpec(os.environ.get(trial.SPEC_ENV, resource_spec_file))
+        if strategy_builder is None:
+            strategy_builder = AllReduce()
         if not isinstance(strategy_builder, (StrategyBuilder, Strategy)):
             raise TypeError(
                 f"AutoDist: strategy_builder must be a StrategyBuilder such as PS() or a "
                 f"Strategy from Strategy.load(), not {type(strategy_builder).__name__}.")
         self._builder = strategy_builder
         self._role = runtime.current_role(self._resource_spec)
+        runtime.check_this_node(self._resource_spec, self._role)
         self._optimizer_calls = []
         self._strategy: Optional[Strategy] = None
         self._trial = trial.TrialSettings.from_env()
@@ -224,11 +241,27 @@ class AutoDist:
     def _config(self, user_config) -> tf.compat.v1.ConfigProto:
         cpus = max(self._resource_spec.node(self._role.address).cpus) + 1
         config = tf.compat.v1.ConfigProto(device_count={"CPU": cpus}, allow_soft_placement=True)
-        intra, inter = (os.environ.get(name) for name in THREADS_ENV)
+        intra, inter = (_threads(name) for name in THREADS_ENV)
         if intra:
-            config.intra_op_parallelism_threads = int(intra)
+            config.intra_op_parallelism_threads = intra
         if inter:
-            config.inter_op_parallelism_threads = int(inter)
+            config.inter_op_parallelism_threads = inter
         if user_config is not None:
             config.MergeFrom(user_config)
         return config
+
+
+def _threads(name: str) -> Optional[int]:
+    """A thread count from the environment variable ``name``, or None when unset.
+
+    Raises:
+        ValueError: when it is set but not an integer from 1 to 1024.
+    """
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    count = int(text) if text.isdigit() else 0
+    if not 1 <= count <= 1024:
+        raise ValueError(f"{name}={text[:40]!r} is not a thread count: set it to an integer "
+                         "from 1 to 1024, or unset it to let TensorFlow choose.")
+    return count

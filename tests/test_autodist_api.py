@@ -86,11 +86,21 @@ def test_missing_spec_file_raises_resource_spec_error(tmp_path):
         AutoDist(str(missing), PS())
 
 
-@pytest.mark.parametrize("wrong", [PS, "PS", None, {"builder": "PS"}],
-                         ids=["builder-class", "name", "None", "dict"])
+@pytest.mark.parametrize("wrong", [PS, "PS", {"builder": "PS"}],
+                         ids=["builder-class", "name", "dict"])
 def test_wrong_strategy_builder_type_raises_type_error(spec_path, wrong):
     with pytest.raises(TypeError, match="strategy_builder"):
         AutoDist(spec_path, wrong)
+
+
+def test_without_a_builder_every_variable_is_all_reduced(spec_path):
+    ad = AutoDist(spec_path)
+    with tf.Graph().as_default(), ad.scope():
+        built = models.dense_mlp(SGD)
+        sess = ad.create_distributed_session()
+        sess.run(built.train_op, built.feeds)
+    kinds = {node.WhichOneof("synchronizer") for node in ad.strategy.proto.node_config}
+    assert kinds == {"AllReduceSynchronizer"}
 
 
 def test_strategy_is_none_until_the_session_exists(spec_path):

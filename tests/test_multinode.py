@@ -208,8 +208,14 @@ def test_a_node_that_cannot_be_started_is_named(two_nodes, tmp_path):
     _assert_no_job_left()
 
 
-def _signal_chief_while_training(cluster, spec, tmp_path, builder, signum) -> int:
-    """Starts a long job, waits until both nodes train, signals the chief; its exit code."""
+def _signal_chief_while_training(cluster, spec, tmp_path, builder, signum,
+                                 while_training=None) -> int:
+    """Starts a long job, waits until both nodes train, signals the chief; its exit code.
+
+    The chief's standard error goes to ``tmp_path / "chief.err"``, the monotonic
+    time of the signal to ``tmp_path / "signalled_at"``. ``while_training()``, if
+    given, runs once both nodes train, before the signal.
+    """
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     # A process started in the background by a non-interactive shell ignores SIGINT,
     # and its children inherit that (Python then raises no KeyboardInterrupt); a
@@ -218,8 +224,8 @@ def _signal_chief_while_training(cluster, spec, tmp_path, builder, signum) -> in
     try:
         chief = subprocess.Popen([*cluster.hosts[0].launch_prefix, sys.executable, "-u", JOB,
                                   spec, builder, str(tmp_path / "v.npz"), "--steps", "100000"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                 env=env)
+                                 stdout=subprocess.PIPE, stderr=open(tmp_path / "chief.err", "w"),
+                                 text=True, env=env)
     finally:
         signal.signal(signal.SIGINT, previous)
     try:
@@ -230,7 +236,10 @@ def _signal_chief_while_training(cluster, spec, tmp_path, builder, signum) -> in
             if match:
                 seen.add(match.group(1))
         assert seen == {"0", "1"}
+        if while_training is not None:
+            while_training()
         chief.send_signal(signum)
+        (tmp_path / "signalled_at").write_text(repr(time.monotonic()))
         return chief.wait(timeout=60)
     finally:
         if chief.poll() is None:
@@ -241,6 +250,37 @@ def _signal_chief_while_training(cluster, spec, tmp_path, builder, signum) -> in
 def test_ctrl_c_on_the_chief_stops_every_worker(two_nodes, tmp_path):
     assert _signal_chief_while_training(*two_nodes, tmp_path, "AllReduce", signal.SIGINT) != 0
     time.sleep(1)
+    _assert_no_job_left()
+
+
+@pytest.mark.timeout(180)
+def test_the_job_token_is_on_no_command_line(two_nodes, tmp_path):
+    """Any user of a node sees every process's command line; the token must not be there."""
+    from autodist.cluster.service import TOKEN_ENV
+    command_lines = []
+
+    def look():
+        listing = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+        command_lines.extend(line for line in listing.splitlines() if JOB in line)
+
+    _signal_chief_while_training(*two_nodes, tmp_path, "PS", signal.SIGINT, while_training=look)
+    assert len(command_lines) >= 2  # the chief and the worker
+    assert not [line for line in command_lines if TOKEN_ENV in line], command_lines
+    _assert_no_job_left()
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_on_the_chief_stops_the_job_at_once_and_says_so(two_nodes, tmp_path):
+    """SIGTERM is what kill, Slurm and Kubernetes send: it must not leave workers behind."""
+    code = _signal_chief_while_training(*two_nodes, tmp_path, "AllReduce", signal.SIGTERM)
+    signalled = float((tmp_path / "signalled_at").read_text())
+    assert code == 128 + signal.SIGTERM
+    assert "the chief received SIGTERM; stopped the job" in (tmp_path / "chief.err").read_text()
+    while time.monotonic() - signalled < 5:
+        left = subprocess.run(["pgrep", "-f", JOB], capture_output=True, text=True).stdout
+        if not left.split():
+            break
+        time.sleep(0.2)
     _assert_no_job_left()
 
 

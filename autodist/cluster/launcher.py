@@ -12,7 +12,9 @@ Every worker gets its own process group, so stopping it stops its children too.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import select
 import shlex
 import signal
 import subprocess
@@ -87,21 +89,56 @@ def worker_command(node: NodeSpec, ssh: Optional[SSHConfig], env: dict,
     return [*command, f"{ssh.username}@{node.address}", remote]
 
 
+SECRETS_ON_STDIN_ENV = "AUTODIST_SECRETS_ON_STDIN"
+
+
 def launch(node: NodeSpec, ssh: Optional[SSHConfig], env: dict, argv: list,
-           cwd: str) -> WorkerProcess:
+           cwd: str, secrets: Optional[dict] = None) -> WorkerProcess:
     """Starts the worker for ``node``; its output goes to this process's output.
+
+    ``env`` travels on the command line (any launch prefix passes it on);
+    ``secrets`` travel on the worker's standard input, one JSON line, so that
+    no other user of the node sees them in the process list (``read_secrets``).
 
     Raises:
         LaunchError: naming the node when the command cannot be started.
     """
-    command = worker_command(node, ssh, env, argv, cwd)
+    command = worker_command(node, ssh, {**env, SECRETS_ON_STDIN_ENV: "1"} if secrets else env,
+                             argv, cwd)
     try:
         process = subprocess.Popen(command, cwd=cwd, start_new_session=True,
-                                   stdin=subprocess.DEVNULL)
+                                   stdin=subprocess.PIPE if secrets else subprocess.DEVNULL)
     except OSError as err:
         raise LaunchError(f"Could not start the worker on node '{node.address}' "
                           f"with {command[0]!r}: {err}") from None
+    if secrets:
+        try:
+            process.stdin.write((json.dumps(secrets) + "\n").encode())
+            process.stdin.close()
+        except OSError:  # the worker already ended; its exit code tells why
+            pass
     return WorkerProcess(node.address, process, command)
+
+
+def read_secrets(timeout: float = 60.0) -> dict:
+    """In a worker: the secrets ``launch`` sent on standard input ({} when it sent none).
+
+    Raises:
+        LaunchError: when they do not arrive within ``timeout`` seconds (a launch
+            prefix that does not pass standard input on, e.g. ``kubectl exec``
+            without ``-i``).
+    """
+    if os.environ.get(SECRETS_ON_STDIN_ENV) != "1":
+        return {}
+    ready, _, _ = select.select([sys.stdin], [], [], timeout)
+    line = sys.stdin.readline() if ready else ""
+    try:
+        return json.loads(line)
+    except ValueError:
+        raise LaunchError(
+            f"AutoDist worker: the chief's job token did not arrive on standard input within "
+            f"{timeout:.0f} s; the launch prefix must pass standard input on (e.g. "
+            "'kubectl exec -i').") from None
 
 
 def stop_all(workers: list, grace: float = 5.0) -> None:

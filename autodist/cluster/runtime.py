@@ -25,7 +25,7 @@ import tensorflow as tf
 from autodist.cluster import launcher
 from autodist.cluster.service import (
     TOKEN_ENV, ServiceError, StrategyClient, StrategyServer, WorkerFailedError, new_token)
-from autodist.resource_spec import ResourceSpec
+from autodist.resource_spec import ResourceSpec, ResourceSpecError
 
 WORKER_ENV = "AUTODIST_WORKER"            # this process is the worker for that node address
 CHIEF_ENV = "AUTODIST_CHIEF"              # the chief's address
@@ -66,7 +66,80 @@ def ordered_nodes(spec: ResourceSpec) -> list:
 
 
 def tf_port() -> int:
-    return int(os.environ.get(TF_PORT_ENV, DEFAULT_TF_PORT))
+    """The TensorFlow servers' port: ``AUTODIST_TF_PORT`` or 15470.
+
+    Raises:
+        ValueError: when the variable is not a port number from 1 to 65535.
+    """
+    text = os.environ.get(TF_PORT_ENV, str(DEFAULT_TF_PORT))
+    try:
+        port = int(text)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        raise ValueError(f"{TF_PORT_ENV}={text[:40]!r} is not a port: set it to an integer "
+                         f"from 1 to 65535 (default {DEFAULT_TF_PORT}).")
+    return port
+
+
+def check_this_node(spec: ResourceSpec, role: NodeRole) -> None:
+    """Refuses a spec this process cannot run as ``role``, saying why.
+
+    On a cluster the chief must be this machine and no two nodes may be it (their
+    servers would share a port); ssh keys must exist where the chief reads them.
+    A node's GPUs must exist on it.
+
+    Raises:
+        ResourceSpecError: naming the node, the field and the value.
+    """
+    node = spec.node(role.address)
+    if node.gpus:
+        have = len(tf.config.list_physical_devices("GPU"))
+        if max(node.gpus) >= have:
+            raise ResourceSpecError(
+                f"Resource spec {spec.source!r}: node {role.address!r} lists gpus "
+                f"{list(node.gpus)}, but this machine has {have} GPU(s). List only the GPUs it "
+                "has, or omit 'gpus' to train on its CPUs.")
+    if len(spec.nodes) == 1:
+        return
+    tf_port()  # a bad AUTODIST_TF_PORT is named before anything starts
+    if not role.is_chief:
+        return
+    local = [address for address in spec.node_addresses if _is_this_machine(address)]
+    if role.address not in local:
+        raise ResourceSpecError(
+            f"Resource spec {spec.source!r}: the chief is {role.address!r}, which is not an "
+            "address of this machine. Run the script on the chief, or mark this machine's "
+            "node 'chief: true'.")
+    if len(local) > 1:
+        raise ResourceSpecError(
+            f"Resource spec {spec.source!r}: nodes {local} are all this machine, whose "
+            "TensorFlow servers would share one port. List each machine once; give it several "
+            "replicas with 'cpus' or 'gpus'.")
+    for address in spec.node_addresses:
+        entry = spec.node(address).ssh_config
+        key = spec.ssh_configs[entry].key_file if entry else None
+        if key and not os.path.isfile(os.path.expanduser(key)):
+            raise ResourceSpecError(
+                f"Resource spec {spec.source!r}: ssh entry {entry!r} (node {address!r}) has "
+                f"key_file {key[:200]!r}, which does not exist on the chief. Fix the path or "
+                "create the key.")
+
+
+def _is_this_machine(address: str) -> bool:
+    """Whether a socket of this process can bind ``address``: it is one of this machine's."""
+    try:
+        infos = socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, kind, proto, _, sockaddr in infos:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.bind((sockaddr[0], 0))
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def tf_devices(spec: ResourceSpec) -> dict:
@@ -198,13 +271,14 @@ class ChiefCoordinator:
         _at_exit(self.shutdown)
         _stop_on_sigterm()
         _exit_on_uncaught_error(self._stop_after_error)
-        env = {CHIEF_ENV: self._spec.chief, SERVICE_PORT_ENV: str(port), TOKEN_ENV: self._token,
+        env = {CHIEF_ENV: self._spec.chief, SERVICE_PORT_ENV: str(port),
                TF_PORT_ENV: str(tf_port()), **self._worker_env}
         argv = [os.path.abspath(sys.argv[0]), *sys.argv[1:]]
         for address in ordered_nodes(self._spec)[1:]:
             node = self._spec.node(address)
             ssh = self._spec.ssh_configs.get(node.ssh_config) if node.ssh_config else None
-            worker = launcher.launch(node, ssh, {**env, WORKER_ENV: address}, argv, os.getcwd())
+            worker = launcher.launch(node, ssh, {**env, WORKER_ENV: address}, argv, os.getcwd(),
+                                     secrets={TOKEN_ENV: self._token})
             with self._lock:
                 self._workers.append(worker)
 
@@ -266,8 +340,9 @@ class WorkerAgent:
 
     def __init__(self, role: NodeRole):
         _die_with_launcher()
+        token = launcher.read_secrets().get(TOKEN_ENV) or os.environ.get(TOKEN_ENV, "")
         self._client = StrategyClient(os.environ[CHIEF_ENV], int(os.environ[SERVICE_PORT_ENV]),
-                                      os.environ[TOKEN_ENV], role.address)
+                                      token, role.address)
         self._client.start_heartbeat(on_chief_lost=_exit_orphaned, lost_after=CHIEF_LOST_S)
         _at_exit(self.close)
         _exit_on_uncaught_error(self._report_error)
@@ -325,15 +400,29 @@ def _exit_on_uncaught_error(cleanup: Callable[[BaseException], None]) -> None:
     previous = sys.excepthook
 
     def hook(kind, error, traceback):
-        previous(kind, error, traceback)
+        if isinstance(error, Terminated):
+            sys.stderr.write(f"{error}\n")
+        else:
+            previous(kind, error, traceback)
         try:
             cleanup(error)
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
+            if isinstance(error, Terminated):
+                os._exit(128 + error.signum)
             os._exit(130 if isinstance(error, KeyboardInterrupt) else 1)
 
     sys.excepthook = hook
+
+
+class Terminated(BaseException):
+    """The chief was told to stop (SIGTERM: ``kill``, Slurm, Kubernetes)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"AutoDist: the chief received {signal.Signals(signum).name}; "
+                         "stopped the job and its workers.")
+        self.signum = signum
 
 
 def _exit_orphaned() -> None:
@@ -355,6 +444,12 @@ def _at_exit(callback) -> None:
 
 
 def _stop_on_sigterm() -> None:
-    """Turns SIGTERM into a normal exit so atexit handlers stop the workers."""
+    """Makes SIGTERM end the chief as an error does: the workers are stopped at once.
+
+    The process then exits with status 128 + SIGTERM after saying so.
+    """
+    def terminate(signum, frame):
+        raise Terminated(signum)
+
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+        signal.signal(signal.SIGTERM, terminate)

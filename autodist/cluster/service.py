@@ -326,7 +326,7 @@ class StrategyServer:
                         f"Timed out after {timeout:g} s waiting for workers to report ready; "
                         f"still missing: {missing} (never contacted the chief: {silent}). Check "
                         f"that they were launched, can reach {self.address} and use the job "
-                        f"token from ${TOKEN_ENV}.")
+                        "token the chief hands them.")
                 # Wake up now and then to notice lost heartbeats.
                 self._registry.changed.wait(min(remaining, 0.25))
 
@@ -400,7 +400,7 @@ class StrategyClient:
         if code == grpc.StatusCode.UNAUTHENTICATED:
             return ServiceError(
                 f"StrategyService at {self._target} {_REFUSED} (call {method} from node "
-                f"{self._node!r}); workers must use the chief's token from ${TOKEN_ENV}.")
+                f"{self._node!r}); workers must use the job token the chief hands them.")
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             return ServiceError(
                 f"Cannot reach the chief's StrategyService at {self._target} within {timeout:g} s "
