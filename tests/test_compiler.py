@@ -68,3 +68,20 @@ def test_sparse_gradients_in_a_compressed_group_are_allowed():
     emb = strategy.node_config_by_name()["emb"].AllReduceSynchronizer
     emb.compressor = emb.NoneCompressor  # emb and dense/kernel share group 0
     compile_strategy(strategy, GRAPH, ONE_NODE)
+
+
+def test_unbounded_asynchrony_is_refused():
+    # sync false with staleness 0 (also proto3's default when sync is left out).
+    strategy = AllReduce().build(GRAPH, ONE_NODE)
+    strategy.node_config_by_name()["step"].PSSynchronizer.sync = False
+    with pytest.raises(StrategyError, match="'step' has sync false \\(or unset\\) and staleness 0"):
+        compile_strategy(strategy, GRAPH, ONE_NODE)
+
+
+@pytest.mark.parametrize("field", ["compressor", "spec"])
+def test_an_enum_value_outside_the_proto_is_named(tmp_path, field):
+    strategy = AllReduce().build(GRAPH, ONE_NODE)
+    setattr(strategy.node_config_by_name()["dense/bias"].AllReduceSynchronizer, field, 7)
+    path = strategy.save(str(tmp_path / "hand_edited.strategy"))
+    with pytest.raises(StrategyError, match=f"'dense/bias' has {field} 7, which is not one of"):
+        compile_strategy(Strategy.load(path), GRAPH, ONE_NODE)

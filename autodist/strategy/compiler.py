@@ -151,7 +151,20 @@ def _synchronizer(node, devices: set, strategy_id: str) -> Synchronizer:
             raise StrategyError(f"Strategy {strategy_id}: '{node.var_name}' has sync true and "
                                 f"staleness {sync.staleness}; bounded staleness needs sync "
                                 "false.")
-    elif sync.group < 0:
-        raise StrategyError(f"Strategy {strategy_id}: '{node.var_name}' has group "
-                            f"{sync.group}; it must be 0 or more.")
+        if not sync.sync and not sync.staleness:
+            raise StrategyError(f"Strategy {strategy_id}: '{node.var_name}' has sync false (or "
+                                "unset) and staleness 0, which asks for unbounded asynchrony; "
+                                "it is not built. Set sync true for synchronous training, or a "
+                                "staleness of 1 or more.")
+    else:
+        if sync.group < 0:
+            raise StrategyError(f"Strategy {strategy_id}: '{node.var_name}' has group "
+                                f"{sync.group}; it must be 0 or more.")
+        for field, enum in (("spec", synchronizers_pb2.AllReduceSynchronizer.Spec),
+                            ("compressor", synchronizers_pb2.AllReduceSynchronizer.Compressor)):
+            value = getattr(sync, field)
+            if value not in enum.values():
+                raise StrategyError(
+                    f"Strategy {strategy_id}: '{node.var_name}' has {field} {value}, which is "
+                    f"not one of {dict(zip(enum.keys(), enum.values()))}.")
     return sync
