@@ -246,3 +246,22 @@ def import_graph_def(graph_def, input_map: dict, prefix: str) -> None:
         for c_op in graph.new_operations():
             op = tf.Operation._from_c_op(c_op=c_op, g=graph)
             graph._names_in_use.setdefault(op.name.lower(), 1)
+
+
+def record_checkpoint(saver: tf.compat.v1.train.Saver, path: str, save_dir: str,
+                      latest_filename: str, meta_graph_suffix: str) -> None:
+    """What ``saver.save(..., write_state=True)`` does after writing ``path``.
+
+    Records the checkpoint among the saver's last ones, rewrites the state file
+    (atomically) and deletes the checkpoints ``max_to_keep`` no longer keeps; so a
+    caller can write more files (the meta graph) before the state names ``path``.
+    """
+    from tensorflow.python.checkpoint import checkpoint_management
+
+    # pylint: disable=protected-access
+    saver._RecordLastCheckpoint(path)
+    checkpoint_management.update_checkpoint_state_internal(
+        save_dir=save_dir, model_checkpoint_path=path,
+        all_model_checkpoint_paths=saver.last_checkpoints, latest_filename=latest_filename,
+        save_relative_paths=saver._save_relative_paths)
+    saver._MaybeDeleteOldCheckpoints(meta_graph_suffix=meta_graph_suffix)

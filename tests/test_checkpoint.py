@@ -5,6 +5,7 @@ A checkpoint written under any strategy must hold exactly what a plain
 shapes, optimizer slots), and restore in either direction.
 """
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import tensorflow as tf
 
 import models
 from autodist import AutoDist
-from autodist.checkpoint import SavedModelBuilder, Saver, latest_checkpoint
+from autodist.checkpoint import CheckpointError, SavedModelBuilder, Saver, latest_checkpoint
 from autodist.strategy import AllReduce, PartitionedPS, Strategy, common
 from test_equivalence import BUILDERS, OPTIMIZERS, axis_one_strategy
 
@@ -178,7 +179,7 @@ def test_restore_errors_name_the_problem(spec_path, tmp_path):
         built = models.MODELS["dense"](adam)
         saver = Saver()
         with ad.create_distributed_session() as sess:
-            with pytest.raises(ValueError, match="no readable checkpoint at .*nowhere"):
+            with pytest.raises(CheckpointError, match="no checkpoint at .*nowhere'"):
                 saver.restore(sess, str(tmp_path / "nowhere"))
             other = str(tmp_path / "other")
             single_device(1, save_to=other)  # the partitionable model: other variables
@@ -276,3 +277,189 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(spec_path, tmp_path
     assert reader.get_tensor("global_step") == 1
     big = reader.get_tensor("big")
     assert big[0, 0] == 0.0 and big[5, 5] == 1.0  # one SGD step of lr 1 on the corner
+
+
+# --- Crash safety: a save killed anywhere leaves the previous checkpoint usable -----------------
+
+SAVE_JOB = os.path.join(os.path.dirname(__file__), "checkpoint_save_job.py")
+REPO = os.path.join(os.path.dirname(__file__), "..")
+# The files of checkpoint_save_job.py's second save, in the order they get their
+# final names, and which rename to that name is the second save's.
+SECOND_SAVE_FILES = {"data": ("model-2.data-00000-of-00001", 1), "index": ("model-2.index", 1),
+                     "meta": ("model-2.meta", 1), "state": ("/checkpoint", 2)}
+# Kills the process as it is about to give a file its final name (the file is
+# written, under its temporary name): the last moment a crash can hit that file.
+_KILL_AT_RENAME = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+static int seen;
+int rename(const char *old_path, const char *new_path) {
+    const char *name = getenv("KILL_AT_RENAME_TO");
+    const char *count = getenv("KILL_AT_RENAME_COUNT");
+    if (name && new_path && strstr(new_path, name)
+            && __atomic_add_fetch(&seen, 1, __ATOMIC_SEQ_CST) == atoi(count ? count : "1"))
+        kill(getpid(), SIGKILL);
+    int (*real)(const char *, const char *) =
+        (int (*)(const char *, const char *))dlsym(RTLD_NEXT, "rename");
+    return real(old_path, new_path);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def kill_at_rename(tmp_path_factory) -> str:
+    """A preload library killing the process at a chosen rename (needs a C compiler)."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build the crash injector")
+    directory = tmp_path_factory.mktemp("inject")
+    (directory / "kill_at_rename.c").write_text(_KILL_AT_RENAME)
+    library = directory / "kill_at_rename.so"
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(library),
+                    str(directory / "kill_at_rename.c"), "-ldl"], check=True)
+    return str(library)
+
+
+def _leftovers(directory) -> list:
+    return sorted(name for name in os.listdir(directory)
+                  if ".tempstate" in name or ".tmp" in name or "autodist-tmp" in name)
+
+
+def _run_save_job(directory, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, SAVE_JOB, str(directory)], capture_output=True,
+                          text=True, timeout=100, env=dict(os.environ, **env), cwd=REPO)
+
+
+def _killed_in_second_save(directory, library: str, file: str) -> subprocess.CompletedProcess:
+    name, count = SECOND_SAVE_FILES[file]
+    done = _run_save_job(directory, LD_PRELOAD=library, KILL_AT_RENAME_TO=name,
+                         KILL_AT_RENAME_COUNT=str(count))
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    assert "saving 2" in done.stdout and "saved 2" not in done.stdout
+    return done
+
+
+def _restored_plainly(path: str) -> dict:
+    """The checkpoint's variables, restored in plain TensorFlow through its meta graph."""
+    with tf.Graph().as_default():
+        saver = tf.compat.v1.train.import_meta_graph(f"{path}.meta")
+        with tf.compat.v1.Session() as sess:
+            saver.restore(sess, path)
+            variables = {v.op.name: v for v in tf.compat.v1.global_variables()}
+            return {name: sess.run(variables[name]) for name in ("table", "w")}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("file", list(SECOND_SAVE_FILES))
+def test_a_save_killed_at_any_file_leaves_the_previous_checkpoint(tmp_path, kill_at_rename,
+                                                                  file):
+    _killed_in_second_save(tmp_path, kill_at_rename, file)
+    assert _leftovers(tmp_path), "the killed save left no temporary file: was it killed?"
+    path = latest_checkpoint(str(tmp_path))
+    assert path == str(tmp_path / "model-1")
+    restored = _restored_plainly(path)
+    assert restored["w"].shape == (8, 256) and restored["table"].shape == (4000, 256)
+    # The next save removes what the killed one left, and writes both checkpoints again.
+    again = _run_save_job(tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert _leftovers(tmp_path) == []
+    assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "model-2")
+
+
+@pytest.mark.timeout(300)
+def test_the_checkpoint_before_a_killed_save_restores_under_autodist(tmp_path, kill_at_rename):
+    _killed_in_second_save(tmp_path, kill_at_rename, "state")
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        import checkpoint_save_job as job
+        import tensorflow as tf
+        from autodist import AutoDist
+        from autodist.checkpoint import Saver, latest_checkpoint
+        from autodist.strategy import AllReduce
+        ad = AutoDist("configs/local_2cpu.yml", AllReduce())
+        with tf.Graph().as_default(), ad.scope():
+            x, train, variables = job.build()
+            saver = Saver()
+            sess = ad.create_distributed_session()
+            saver.restore(sess, latest_checkpoint({str(tmp_path)!r}))
+            print(repr(float(sess.run(variables[1])[0, 0])))
+        """)
+    restored = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=100, cwd=REPO)
+    assert restored.returncode == 0, restored.stderr[-2000:]
+    plain = _restored_plainly(str(tmp_path / "model-1"))
+    assert float(restored.stdout.split()[-1]) == float(plain["w"][0, 0])
+
+
+
+# --- Checkpoint errors name the path and the cause ------------------------------------------------
+
+def _saved_once(tmp_path, dtype=tf.float32):
+    """A session of checkpoint_save_job's model (in ``dtype``), its saver and one checkpoint."""
+    import checkpoint_save_job as job
+    ad = AutoDist(os.path.join(REPO, "configs", "local_2cpu.yml"), AllReduce())
+    graph = tf.Graph()
+    with graph.as_default(), ad.scope():
+        job.build(dtype)
+        saver = Saver()
+        sess = ad.create_distributed_session()
+        path = saver.save(sess, str(tmp_path / "model"))
+    return graph, sess, saver, path
+
+
+def _restore_error(graph, sess, saver, path) -> str:
+    with graph.as_default(), pytest.raises(CheckpointError) as info:
+        saver.restore(sess, path)
+    assert path in str(info.value)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("damage, cause", [
+    ("delete data", "a file or directory is missing"),
+    ("truncate data", "corrupt or cut short"),
+    ("garble index", "cannot read"),
+])
+def test_a_damaged_checkpoint_is_named_with_its_cause(tmp_path, damage, cause):
+    graph, sess, saver, path = _saved_once(tmp_path)
+    data, index = f"{path}.data-00000-of-00001", f"{path}.index"
+    if damage == "delete data":
+        os.unlink(data)
+    elif damage == "truncate data":
+        with open(data, "r+b") as target:
+            target.truncate(os.path.getsize(data) // 2)
+    else:
+        with open(index, "r+b") as target:
+            target.seek(0)
+            target.write(b"\xff" * 64)
+    assert cause in _restore_error(graph, sess, saver, path)
+    sess.close()
+
+
+def test_a_checkpoint_of_another_dtype_is_named_by_variable(tmp_path):
+    _, first, _, path = _saved_once(tmp_path / "f32")
+    first.close()
+    graph, sess, saver, _ = _saved_once(tmp_path / "f64", dtype=tf.float64)
+    message = _restore_error(graph, sess, saver, path)
+    assert "other dtypes: table float32 (the model has float64)" in message
+    sess.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tiny file system")
+def test_a_full_disk_is_named_and_leaves_no_partial_files(tmp_path):
+    small = tmp_path / "small"
+    small.mkdir()
+    graph, sess, saver, _ = _saved_once(tmp_path)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(small)], check=True)
+    try:
+        with graph.as_default(), pytest.raises(CheckpointError) as info:
+            saver.save(sess, str(small / "model"))
+        assert str(small / "model") in str(info.value) and "the disk is full" in str(info.value)
+        assert os.listdir(small) == []
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+        sess.close()

@@ -9,6 +9,8 @@ strategy restores in plain TensorFlow or under another strategy.
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
 from typing import Optional
 
 import numpy as np
@@ -103,22 +105,37 @@ class Saver:
 
         Returns:
             the checkpoint's path prefix, or None on a node other than the chief.
+
+        Raises:
+            CheckpointError: (a ValueError) when the files cannot be written, naming
+                the path and the cause (permission, a full disk, ...); the files of
+                the failed save are removed.
         """
         bound = self._bind(sess)
         if not sess.distributed.ctx.is_chief:
             return None
         if global_step is not None and not isinstance(global_step, (int, np.integer)):
             global_step = int(sess.run(global_step))
-        # TensorFlow writes the files under temporary names and renames them when
-        # complete; the state file is rewritten (atomically) only after that, so
-        # an interrupted save leaves the state pointing at the previous checkpoint.
-        path = bound.saver.save(sess.tf_session, save_path, global_step=global_step,
-                                latest_filename=latest_filename,
-                                meta_graph_suffix=meta_graph_suffix, write_meta_graph=False,
-                                write_state=write_state)
-        if write_meta_graph:
-            with tf.io.gfile.GFile(f"{path}.{meta_graph_suffix}", "wb") as meta_file:
-                meta_file.write(self._single_device_meta_graph().SerializeToString())
+        # Every file appears complete or not at all (TensorFlow writes the data and
+        # the index under temporary names, the meta graph is written so here), and
+        # the state file changes last: a save interrupted at any point leaves
+        # latest_checkpoint at the previous, complete checkpoint.
+        latest_filename = latest_filename or "checkpoint"
+        _remove_leftovers(save_path, latest_filename)  # of a save killed before
+        try:
+            path = bound.saver.save(sess.tf_session, save_path, global_step=global_step,
+                                    latest_filename=latest_filename, write_meta_graph=False,
+                                    write_state=False)
+            if write_meta_graph:
+                _write_atomically(f"{path}.{meta_graph_suffix}",
+                                  self._single_device_meta_graph().SerializeToString())
+            if write_state:
+                _tf_compat.record_checkpoint(bound.saver, path, os.path.dirname(save_path),
+                                             latest_filename, meta_graph_suffix)
+        except (tf.errors.OpError, OSError, ValueError) as err:
+            _remove_leftovers(save_path, latest_filename)
+            raise CheckpointError(f"autodist.checkpoint.Saver.save: could not write "
+                                  f"'{save_path}': {_cause(err)}") from err
         return path
 
     def restore(self, sess: DistributedSession, save_path: str,
@@ -131,16 +148,21 @@ class Saver:
             timeout: how long a worker waits for the chief's restore, in seconds.
 
         Raises:
-            ValueError: when there is no checkpoint at ``save_path`` or it lacks a
-                variable or holds it in another shape.
+            CheckpointError: (a ValueError) when there is no checkpoint at
+                ``save_path``, it is corrupt or cut short, or it lacks a variable or
+                holds it in another shape or dtype, naming the path and the cause.
             TimeoutError: when, on a worker, the chief does not restore in time.
         """
         if save_path is None:
             raise ValueError("autodist.checkpoint.Saver.restore: save_path is None; "
                              "is there a checkpoint (latest_checkpoint returned None)?")
         bound = self._bind(sess)
-        _check_checkpoint(save_path, self._shapes)
-        bound.saver.restore(sess.tf_session, save_path)
+        _check_checkpoint(save_path, self._shapes, self._dtypes)
+        try:
+            bound.saver.restore(sess.tf_session, save_path)
+        except tf.errors.OpError as err:
+            raise CheckpointError(f"autodist.checkpoint.Saver.restore: cannot read "
+                                  f"'{save_path}': {_cause(err)}") from None
         if bound.release:
             sess.tf_session.run(bound.release)
         if bound.wait is not None:
@@ -207,18 +229,95 @@ def latest_checkpoint(checkpoint_dir: str, latest_filename: Optional[str] = None
     return tf.compat.v1.train.latest_checkpoint(checkpoint_dir, latest_filename)
 
 
-def _check_checkpoint(save_path: str, shapes: dict) -> None:
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written or read, naming its path and the cause."""
+
+
+def _cause(err: BaseException) -> str:
+    """What went wrong, in a user's words, from a TensorFlow or OS error."""
+    lines = [line.strip() for line in (getattr(err, "message", None) or str(err)).splitlines()]
+    # A failed run's message opens with boilerplate and ends with where it ran.
+    text = "\n".join(line for line in lines if line and line != "Graph execution error:"
+                     and not line.startswith(("Detected at node", "File ", "Node:")))
+    if isinstance(err, tf.errors.PermissionDeniedError) or getattr(err, "errno", None) == 13:
+        return "permission denied (check the directory's permissions)."
+    if (isinstance(err, tf.errors.ResourceExhaustedError) or getattr(err, "errno", None) == 28
+            or "No space left" in text):
+        return "the disk is full."
+    if isinstance(err, (tf.errors.DataLossError, tf.errors.OutOfRangeError)):
+        return f"the files are corrupt or cut short ({text.splitlines()[0][:200]})."
+    if isinstance(err, tf.errors.NotFoundError):
+        return f"a file or directory is missing ({text.splitlines()[0][:200]})."
+    return f"{type(err).__name__}: {text.splitlines()[0][:300] if text else ''}"
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    """Writes ``path`` under a temporary name, flushed to disk, then renames it."""
+    temporary = f"{path}{_TEMPORARY}{os.getpid()}"
     try:
-        stored = tf.train.load_checkpoint(save_path).get_variable_to_shape_map()
-    except (tf.errors.NotFoundError, tf.errors.DataLossError, ValueError) as err:
-        raise ValueError(f"autodist.checkpoint.Saver.restore: no readable checkpoint at "
-                         f"'{save_path}' ({err.__class__.__name__}).") from None
+        with open(temporary, "wb") as target:
+            target.write(data)
+            target.flush()
+            os.fsync(target.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+
+
+_TEMPORARY = ".autodist-tmp-"
+# What TensorFlow leaves of a killed save: its data/index temporaries and sharded
+# temp directories, and the state file's temporary.
+_LEFTOVERS = (".tempstate", "_temp", _TEMPORARY)
+
+
+def _remove_leftovers(save_path: str, latest_filename: str) -> None:
+    """Removes the temporary files an interrupted save of ``save_path`` left behind."""
+    directory = os.path.dirname(save_path) or "."
+    stem = os.path.basename(save_path)
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        ours = name.startswith(stem) or name.startswith(f"{latest_filename}.tmp")
+        if not ours or not (name.startswith(f"{latest_filename}.tmp")
+                            or any(mark in name for mark in _LEFTOVERS)):
+            continue
+        target = os.path.join(directory, name)
+        try:
+            if os.path.isdir(target):
+                shutil.rmtree(target)
+            else:
+                os.unlink(target)
+        except OSError:
+            pass
+
+
+def _check_checkpoint(save_path: str, shapes: dict, dtypes: dict) -> None:
+    """Raises a CheckpointError naming what keeps ``save_path`` from restoring the model."""
+    if not tf.io.gfile.exists(f"{save_path}.index"):
+        raise CheckpointError(f"autodist.checkpoint.Saver.restore: no checkpoint at "
+                              f"'{save_path}' (its .index file is missing).")
+    try:
+        reader = tf.train.load_checkpoint(save_path)
+        stored = reader.get_variable_to_shape_map()
+        stored_dtypes = reader.get_variable_to_dtype_map()
+    except (tf.errors.OpError, ValueError) as err:
+        raise CheckpointError(f"autodist.checkpoint.Saver.restore: cannot read '{save_path}': "
+                              f"{_cause(err)}") from None
     missing = sorted(key for key in shapes if key not in stored)
     wrong = sorted(f"{key} {list(stored[key])} (the model has {list(shape)})"
                    for key, shape in shapes.items()
                    if key in stored and tuple(stored[key]) != shape)
-    if missing or wrong:
-        raise ValueError(f"Checkpoint '{save_path}' does not fit the model: "
-                         + "; ".join(filter(None, [
-                             f"missing {missing}" if missing else "",
-                             f"other shapes: {', '.join(wrong)}" if wrong else ""])))
+    other_types = sorted(f"{key} {stored_dtypes[key].name} (the model has {dtypes[key].name})"
+                         for key in shapes if key in stored
+                         and stored_dtypes[key].base_dtype != dtypes[key])
+    if missing or wrong or other_types:
+        raise CheckpointError(f"Checkpoint '{save_path}' does not fit the model: "
+                              + "; ".join(filter(None, [
+                                  f"missing {missing}" if missing else "",
+                                  f"other shapes: {', '.join(wrong)}" if wrong else "",
+                                  f"other dtypes: {', '.join(other_types)}" if other_types
+                                  else ""])) + ".")
