@@ -8,6 +8,7 @@ training must equal single-device ``fit`` on the whole global batch, which
     python keras_cluster_job.py SPEC BUILDER OUT [--epochs N] [--die-at STEP]
 """
 import argparse
+import json
 import os
 import signal
 import time
@@ -93,7 +94,9 @@ def main() -> None:
     callbacks = [_DieAt(args.die_at)] if args.die_at >= 0 and not ad.is_chief else []
     history = model.fit([ids[rows], x[rows]], y[rows], batch_size=ROWS_PER_REPLICA * count,
                         epochs=args.epochs, shuffle=False, verbose=0, callbacks=callbacks)
-    print(f"node {ad.node_index} history {history.history}", flush=True)
+    # Each node writes its own file: the nodes' printed lines may interleave.
+    with open(f"{args.out}.history-{ad.node_index}.json", "w") as target:
+        json.dump(history.history, target)
     if ad.is_chief:
         np.savez(args.out, *model.get_weights())
 

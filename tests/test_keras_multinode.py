@@ -4,7 +4,9 @@ Each job runs tests/keras_cluster_job.py as the chief inside the first
 namespace; the chief launches the same script on the other nodes, each of
 which fits its own rows.
 """
+import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -59,12 +61,8 @@ def test_fit_on_a_cluster_equals_single_device_fit(request, tmp_path, cluster_na
     # Every node fitted; each logs the loss of its own rows, which average to
     # single-device training's (equal rows per replica, one replica per node here
     # but the last node's two).
-    losses = {}
-    for line in done.stdout.splitlines():
-        if " history " in line:
-            node = int(line.split()[1])
-            losses[node] = eval(line.split(" history ", 1)[1])["loss"]  # noqa: S307 - our own dict
-    assert sorted(losses) == list(range(len(cluster.hosts)))
+    losses = {node: json.loads(pathlib.Path(f"{out}.history-{node}.json").read_text())["loss"]
+              for node in range(len(cluster.hosts))}
     weights = [h.num_cpus for h in cluster.hosts]
     mean_first_epoch = np.average([losses[n][0] for n in sorted(losses)], weights=weights)
     np.testing.assert_allclose(mean_first_epoch, history["loss"][0], rtol=1e-5)
