@@ -10,11 +10,29 @@ import datetime
 import os
 import platform
 import shlex
+import sys
 import tempfile
 from importlib import metadata
 
 # Sections in the order they appear, each as (heading, GitHub's anchor of it): the
 # page's table of contents. A script whose markers are absent appends its section.
+# Every benchmark job's thread pools, the same for all systems measured, set before
+# TensorFlow loads; an explicit setting in the environment wins.
+JOB_ENV = {
+    "AUTODIST_INTRA_OP_THREADS": "1",
+    "AUTODIST_INTER_OP_THREADS": "2",
+    "TF_CPP_MIN_LOG_LEVEL": "2",
+}
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def use_job_environment() -> None:
+    """Sets ``JOB_ENV`` (unless set) and puts the repository on ``sys.path``."""
+    os.environ.update({k: os.environ.get(k, v) for k, v in JOB_ENV.items()})
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+
+
 SECTIONS = (
     ("Graph-rewrite time vs. model size and replicas (`transform_scale`)",
      "graph-rewrite-time-vs-model-size-and-replicas-transform_scale"),

@@ -51,16 +51,9 @@ import time
 
 import report
 
-ENV = {
-    "AUTODIST_INTRA_OP_THREADS": "1",
-    "AUTODIST_INTER_OP_THREADS": "2",
-    "TF_CPP_MIN_LOG_LEVEL": "2",
-}
-os.environ.update({k: os.environ.get(k, v) for k, v in ENV.items()})  # before TensorFlow loads
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+report.use_job_environment()  # before TensorFlow loads
+REPO = report.REPO
+ENV = report.JOB_ENV
 
 BEGIN = "<!-- step_time:begin -->"
 END = "<!-- step_time:end -->"
