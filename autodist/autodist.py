@@ -205,9 +205,18 @@ class AutoDist:
         server = runtime.start_tf_server(spec, role, node_config)
         runtime.wait_until_tf_servers_listen(spec, JOIN_TIMEOUT_S, check=monitor)
         ctx = self._kernel_context(item, compiled, runtime.tf_devices(spec))
+        timer = self._step_timer()
+        if role.is_chief:
+            on_step, stuck_nodes = timer, peer.stuck_nodes
+        else:
+            def on_step():
+                peer.step_done()
+                if timer is not None:
+                    timer()
+            stuck_nodes = None
         session = DistributedSession(transform(item, compiled, ctx), config=node_config,
-                                     target=server.target, monitor=monitor,
-                                     on_step=self._step_timer())
+                                     target=server.target, monitor=monitor, on_step=on_step,
+                                     stuck_nodes=stuck_nodes)
         if role.is_chief:
             peer.wait_ready(JOIN_TIMEOUT_S)
         else:

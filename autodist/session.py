@@ -1,6 +1,7 @@
 """DistributedSession: runs the user's fetches and feeds on the distributed graph."""
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from typing import Callable, Optional
@@ -12,6 +13,29 @@ from autodist.kernels.transformer import DistributedGraph
 
 _MONITOR_INTERVAL_S = 0.5
 _FAILURE_ATTRIBUTION_S = 3.0
+# A training step counts as stuck after this many times the median of the steps
+# before it, and never sooner than STUCK_MIN_S; the first step (tracing, warm-up)
+# after STUCK_FIRST_S.
+STUCK_FACTOR = 20.0
+STUCK_MIN_S = 30.0
+STUCK_FIRST_S = 300.0
+_STEP_HISTORY = 50
+
+
+class StuckStepError(RuntimeError):
+    """A training step made no progress for longer than its bound (e.g. a network partition).
+
+    Attributes:
+        nodes: the nodes still in the step.
+    """
+
+    def __init__(self, step: int, seconds: float, bound: float, nodes: list):
+        self.nodes = nodes
+        super().__init__(
+            f"AutoDist: training step {step} has made no progress for {seconds:.0f} s (bound "
+            f"{bound:.0f} s: {STUCK_FACTOR:g} times the median step, at least "
+            f"{STUCK_MIN_S:g} s); nodes still in it: {nodes}. Nodes that cannot reach each "
+            "other (a network partition) or a node stuck in its step; stopping the job.")
 # What a step dies of when another node goes away.
 _PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError,
                 tf.errors.DeadlineExceededError, tf.errors.InternalError)
@@ -34,11 +58,15 @@ class DistributedSession:
         monitor: called about twice a second while a step runs; raises to abort
             it (the chief uses it to stop waiting for a dead worker).
         on_step: called after every run that trains (fetches the train op).
+        stuck_nodes: with a monitor, the nodes still in a step after the given
+            number of finished steps; a training run that takes longer than its
+            bound (``STUCK_FACTOR``) then raises ``StuckStepError`` naming them.
     """
 
     def __init__(self, distributed: DistributedGraph, config=None, target: str = "",
                  init_timeout: float = 120.0, monitor: Optional[Callable[[], None]] = None,
-                 on_step: Optional[Callable[[], None]] = None):
+                 on_step: Optional[Callable[[], None]] = None,
+                 stuck_nodes: Optional[Callable[[int], list]] = None):
         self._distributed = distributed
         self._graph = distributed.graph
         self._cache = {}
@@ -49,12 +77,19 @@ class DistributedSession:
             self._variable_fetches[_tf_compat.graph_element_name(variable)] = name
         self._monitor = monitor
         self._on_step = on_step
+        self._stuck_nodes = stuck_nodes
+        self._step_seconds = []  # the latest training runs' durations
+        self._steps_done = 0
         self._session = self._watched(tf.compat.v1.Session, target=target, graph=self._graph,
                                       config=config)
         self._watched(self._initialize, init_timeout)
 
-    def _watched(self, function, *args, **kwargs):
-        """Calls ``function``; with a monitor, in a thread so a failure elsewhere aborts it."""
+    def _watched(self, function, *args, stuck_after: Optional[float] = None, **kwargs):
+        """Calls ``function``; with a monitor, in a thread so a failure elsewhere aborts it.
+
+        Args:
+            stuck_after: seconds after which the call counts as a stuck step.
+        """
         if self._monitor is None:
             return function(*args, **kwargs)
         outcome = {}
@@ -66,11 +101,16 @@ class DistributedSession:
                 outcome["error"] = err
 
         thread = threading.Thread(target=call, daemon=True)
+        started = time.monotonic()
         thread.start()
         while thread.is_alive():
             thread.join(_MONITOR_INTERVAL_S)
             if thread.is_alive():
                 self._monitor()
+                elapsed = time.monotonic() - started
+                if stuck_after is not None and elapsed > stuck_after:
+                    raise StuckStepError(self._steps_done + 1, elapsed, stuck_after,
+                                         self._stuck_nodes(self._steps_done))
         if isinstance(outcome.get("error"), _PEER_ERRORS):
             # A step failing because a peer vanished says so in TF's words; the
             # monitor names the node, once the dead process has been noticed.
@@ -125,15 +165,30 @@ class DistributedSession:
             self._check_rows(key, value)
             for target in self._map_feed(key):
                 feeds[target] = value
-        result = self._watched(self._session.run, mapped, feed_dict=feeds, options=options,
-                               run_metadata=run_metadata)
         trained = any(f is self._distributed.train_op for f in tf.nest.flatten(mapped))
+        bound = self._stuck_bound() if trained else None
+        started = time.monotonic()
+        result = self._watched(self._session.run, mapped, feed_dict=feeds, options=options,
+                               run_metadata=run_metadata, stuck_after=bound)
         second = self._distributed.ps_step_op
         if second is not None and trained:
-            self._watched(self._session.run, second)
-        if trained and self._on_step is not None:
-            self._on_step()
+            left = None if bound is None else max(0.0, bound - (time.monotonic() - started))
+            self._watched(self._session.run, second, stuck_after=left)
+        if trained:
+            self._steps_done += 1
+            self._step_seconds = (self._step_seconds + [time.monotonic() - started])[
+                -_STEP_HISTORY:]
+            if self._on_step is not None:
+                self._on_step()
         return result
+
+    def _stuck_bound(self) -> Optional[float]:
+        """How long the next training run may take before it counts as stuck, or None."""
+        if self._stuck_nodes is None:
+            return None
+        if not self._step_seconds:
+            return STUCK_FIRST_S
+        return max(STUCK_MIN_S, STUCK_FACTOR * statistics.median(self._step_seconds))
 
     def close(self) -> None:
         self._session.close()

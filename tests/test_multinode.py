@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -250,6 +251,55 @@ def _signal_chief_while_training(cluster, spec, tmp_path, builder, signum,
 def test_ctrl_c_on_the_chief_stops_every_worker(two_nodes, tmp_path):
     assert _signal_chief_while_training(*two_nodes, tmp_path, "AllReduce", signal.SIGINT) != 0
     time.sleep(1)
+    _assert_no_job_left()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("builder", ["AllReduce", "PartitionedPS"])
+def test_a_partition_between_two_workers_is_named_not_a_hang(three_nodes, tmp_path, builder):
+    """Both workers still reach the chief, so heartbeats go on; their step does not.
+
+    The chief's watchdog names the nodes still in the step once it exceeds its
+    bound; where TensorFlow itself notices the broken link first, a worker fails
+    and the chief names it. Either way: an error within 60 s, no process left.
+    """
+    cluster, spec = three_nodes
+    h1, h2, h3 = cluster.hosts
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    chief = subprocess.Popen([*h1.launch_prefix, sys.executable, "-u", JOB, spec, builder,
+                              str(tmp_path / "v.npz"), "--steps", "100000"],
+                             stdout=subprocess.PIPE, stderr=open(tmp_path / "chief.err", "w"),
+                             text=True, env=env)
+    routes = [(h2, h3), (h3, h2)]
+    try:
+        seen, deadline = set(), time.monotonic() + 120
+        while len(seen) < 3 and time.monotonic() < deadline:
+            match = re.match(r"node (\d) step (\d+)", chief.stdout.readline())
+            if match and int(match.group(2)) >= 5:  # a few steps: the bound knows the step time
+                seen.add(match.group(1))
+        assert seen == {"0", "1", "2"}
+        for here, there in routes:
+            subprocess.run(["ip", "netns", "exec", here.namespace, "ip", "route", "add",
+                            "blackhole", f"{there.address}/32"], check=True)
+        partitioned = time.monotonic()
+        threading.Thread(target=chief.stdout.read, daemon=True).start()  # drain
+        code = chief.wait(timeout=90)
+        assert time.monotonic() - partitioned < 60
+        assert code != 0
+        error = (tmp_path / "chief.err").read_text()
+        if "nodes still in it" in error:  # the chief's watchdog saw the step hang
+            named = error.split("nodes still in it")[1].split("]")[0]
+        else:  # or TensorFlow noticed the broken link on a worker, which reported it
+            assert "WorkerFailedError" in error, error[-3000:]
+            named = error.split("WorkerFailedError")[-1]
+        assert h2.address in named or h3.address in named, error[-3000:]
+    finally:
+        if chief.poll() is None:
+            chief.kill()
+        for here, there in routes:
+            subprocess.run(["ip", "netns", "exec", here.namespace, "ip", "route", "del",
+                            "blackhole", f"{there.address}/32"], capture_output=True)
+    time.sleep(2)
     _assert_no_job_left()
 
 

@@ -329,6 +329,12 @@ class ChiefCoordinator:
                     break
         launcher.stop_all(workers)
 
+    def stuck_nodes(self, chief_steps_done: int) -> list:
+        """The nodes still in the step after the chief's ``chief_steps_done`` (chief first)."""
+        done = self._server.steps_done()
+        return [self._spec.chief] + [node for node in ordered_nodes(self._spec)[1:]
+                                     if done.get(node, 0) <= chief_steps_done]
+
     def _stop_after_error(self, error: BaseException) -> None:
         """An error ends the chief: stop the workers at once, without waiting for them."""
         self._failed = True
@@ -352,6 +358,10 @@ class WorkerAgent:
 
     def report_ready(self) -> None:
         self._client.report_ready()
+
+    def step_done(self) -> None:
+        """Counts a finished training step; the heartbeats tell the chief."""
+        self._client.steps_done += 1
 
     def report_failed(self, message: str) -> None:
         self._client.report_failed(message)

@@ -102,6 +102,7 @@ class _NodeState:
     status: int = _Status.STATUS_UNSPECIFIED
     last_seen: Optional[float] = None  # monotonic time of the latest call
     failure: Optional[ServiceError] = None  # first failure; never cleared
+    steps_done: int = 0  # training steps finished, as of the latest heartbeat
 
 
 class _Registry:
@@ -189,7 +190,9 @@ class _Servicer(service_pb2_grpc.StrategyServiceServicer):
         return service_pb2.Ack()
 
     def Heartbeat(self, request, context):  # noqa: N802
-        self._known_node(request.node, context)
+        node = self._known_node(request.node, context)
+        with self._registry.changed:
+            self._registry.nodes[node].steps_done = request.steps_done
         return service_pb2.Ack()
 
 
@@ -330,6 +333,11 @@ class StrategyServer:
                 # Wake up now and then to notice lost heartbeats.
                 self._registry.changed.wait(min(remaining, 0.25))
 
+    def steps_done(self) -> dict:
+        """Worker -> the training steps it had finished at its latest heartbeat."""
+        with self._registry.changed:
+            return {node: state.steps_done for node, state in self._registry.nodes.items()}
+
     def check_workers(self) -> None:
         """Raises if a worker failed or went silent; cheap, meant to run between steps.
 
@@ -394,6 +402,7 @@ class StrategyClient:
         self._stub = service_pb2_grpc.StrategyServiceStub(self._channel)
         self._stop_heartbeat = threading.Event()
         self._heartbeat: Optional[threading.Thread] = None
+        self.steps_done = 0  # training steps this worker finished; heartbeats report it
 
     def _error(self, err: grpc.RpcError, method: str, timeout: float) -> ServiceError:
         code, details = err.code(), err.details()
@@ -505,9 +514,9 @@ class StrategyClient:
         self._heartbeat.start()
 
     def _beat(self, interval: float, on_chief_lost, lost_after: float) -> None:
-        request = service_pb2.HeartbeatRequest(node=self._node)
         failing_since = None
         while not self._stop_heartbeat.is_set():
+            request = service_pb2.HeartbeatRequest(node=self._node, steps_done=self.steps_done)
             try:
                 self._call("Heartbeat", request, timeout=max(interval, 1.0), wait_for_ready=False)
                 failing_since = None
