@@ -218,14 +218,17 @@ class KerasUpdate:
         with tf.device(updates[0].variable.device):
             for key in stages.non_slots:
                 self._non_slots[key] = _state_variable(call.state_values[key], f"{key}/copy")
-        state_handles = {key: v.handle for key, v in self._non_slots.items()}
-        with tf.device(updates[0].variable.device):
+            state_handles = {key: v.handle for key, v in self._non_slots.items()}
             common = self._import(stages.common, self._common_inputs(updates, state_handles),
                                   "keras_update/common")
-        per_variable = []
-        for update in updates:
-            per_variable.append(self._apply_part(update, common, state_handles))
-        rest_inputs = self._inputs(stages.rest, lambda name: None, state_handles, common)
+        per_variable = [self._apply_part(update, common, state_handles) for update in updates]
+
+        def no_gradient(name):
+            raise NotImplementedError(
+                f"{call.optimizer_name}'s update reads the gradient {name} after every "
+                "variable's update; AutoDist cannot rewrite that update.")
+
+        rest_inputs = self._inputs(stages.rest, no_gradient, state_handles, common)
         with tf.control_dependencies(per_variable), tf.device(updates[0].variable.device):
             rest = self._import(stages.rest, rest_inputs, "keras_update/rest")
         finish = tf.group(*per_variable, *self._writes(rest))
@@ -322,7 +325,7 @@ class KerasUpdate:
         return mapped
 
     def _import(self, ops, input_map: dict, scope: str) -> dict:
-        """Imports the stage's ops; returns op name -> its outputs (in the new graph)."""
+        """Imports the stage's ops; returns op name -> the op in the new graph."""
         if not ops:
             return {}
         graph_def = _subgraph(self._call.update_graph_def, ops)
