@@ -463,3 +463,20 @@ def test_a_full_disk_is_named_and_leaves_no_partial_files(tmp_path):
     finally:
         subprocess.run(["umount", str(small)], check=True)
         sess.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a read-only view of a directory")
+def test_a_read_only_directory_is_named(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    graph, sess, saver, _ = _saved_once(tmp_path)
+    subprocess.run(["mount", "--bind", str(locked), str(locked)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(locked)], check=True)
+        with graph.as_default(), pytest.raises(CheckpointError) as info:
+            saver.save(sess, str(locked / "model"))
+        message = str(info.value)
+        assert str(locked / "model") in message and "read-only file system" in message, message
+    finally:
+        subprocess.run(["umount", str(locked)], check=True)
+        sess.close()

@@ -239,6 +239,8 @@ def _cause(err: BaseException) -> str:
     # A failed run's message opens with boilerplate and ends with where it ran.
     text = "\n".join(line for line in lines if line and line != "Graph execution error:"
                      and not line.startswith(("Detected at node", "File ", "Node:")))
+    if getattr(err, "errno", None) == 30 or "Read-only file system" in text:
+        return "the directory is on a read-only file system."
     if isinstance(err, tf.errors.PermissionDeniedError) or getattr(err, "errno", None) == 13:
         return "permission denied (check the directory's permissions)."
     if (isinstance(err, tf.errors.ResourceExhaustedError) or getattr(err, "errno", None) == 28
