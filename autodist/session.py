@@ -9,6 +9,7 @@ from typing import Callable, Optional
 import tensorflow as tf
 
 from autodist import _tf_compat
+from autodist.kernels.locations import Locator
 from autodist.kernels.transformer import DistributedGraph
 
 _MONITOR_INTERVAL_S = 0.5
@@ -75,6 +76,13 @@ class DistributedSession:
         for name, variable in item.variables.items():
             self._variable_fetches[variable.handle.name] = name
             self._variable_fetches[_tf_compat.graph_element_name(variable)] = name
+        # The optimizer's own variables (slots, Adam's powers), recreated per stored copy.
+        self._state_fetches = {}
+        for variable in item.graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES):
+            if variable.op.name in item.optimizer_call.update_op_names:
+                for element in (variable.handle.name, _tf_compat.graph_element_name(variable)):
+                    self._state_fetches[element] = variable.op.name
+        self._locator = None
         self._monitor = monitor
         self._on_step = on_step
         self._stuck_nodes = stuck_nodes
@@ -211,6 +219,8 @@ class DistributedSession:
         distributed, item = self._distributed, self._distributed.item
         if name in self._variable_fetches:
             return distributed.storage[self._variable_fetches[name]].full_value()
+        if name in self._state_fetches:
+            return self._optimizer_state(self._state_fetches[name])
         op_name = name.split(":")[0]
         if op_name in item.optimizer_call.update_op_names:
             if ":" in name:
@@ -230,6 +240,17 @@ class DistributedSession:
         if ":" not in name:
             return tf.group(*copies)
         return _combine(copies)
+
+    def _optimizer_state(self, variable: str) -> tf.Tensor:
+        """The single-device value of one of the optimizer's variables (a slot stitched)."""
+        if self._locator is None:
+            self._locator = Locator(self._distributed)
+        location = self._locator.find(variable)
+        if location is None or location.value is None:
+            raise ValueError(f"AutoDist cannot fetch the optimizer's '{variable}' on this node: "
+                             "under this strategy it lives on another node (fetch it on the "
+                             "chief).")
+        return location.value()
 
     def _check_rows(self, key, value) -> None:
         """Refuses a batch with fewer rows than replicas: some replica would get none."""

@@ -298,3 +298,30 @@ def test_bounded_staleness_trains(spec_path, builder, model):
         run = run + 1 if current == previous else 1
         longest = max(longest, run)
     assert longest <= 3, losses
+
+
+# ----------------------------------------------------------------------------- fetching state
+
+@pytest.mark.parametrize("builder", sorted(BUILDERS))
+def test_every_global_variable_fetches_its_single_device_value(spec_path, builder):
+    """Slots and Adam's powers come back stitched and synchronized, as on one device."""
+    model = "partitionable"
+    with tf.Graph().as_default():
+        built = models.MODELS[model](OPTIMIZERS["adam"])
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            for _ in range(STEPS):
+                sess.run(built.train_op, built.feeds)
+            want = {v.op.name: sess.run(v) for v in tf1.global_variables()}
+    ad = AutoDist(resource_spec_file=spec_path, strategy_builder=BUILDERS[builder]())
+    with tf.Graph().as_default(), ad.scope():
+        built = models.MODELS[model](OPTIMIZERS["adam"])
+        with ad.create_distributed_session() as sess:
+            for _ in range(STEPS):
+                sess.run(built.train_op, built.feeds)
+            variables = tf1.global_variables()
+            got = dict(zip((v.op.name for v in variables), sess.run(variables)))
+    assert sorted(got) == sorted(want)
+    assert any("Adam" in name for name in got) and "beta1_power" in got
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=RTOL, atol=ATOL, err_msg=name)

@@ -17,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from autodist import _tf_compat
-from autodist.checkpoint.locations import Locator
+from autodist.kernels.locations import Locator
 from autodist.checkpoint.single_device import single_device_copy
 from autodist.kernels.ps_synchronizer import token_queue
 from autodist.session import DistributedSession, as_tf_variable

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import numpy as np
 import tensorflow as tf
 
-from autodist.checkpoint.locations import Locator
+from autodist.kernels.locations import Locator
 from autodist.keras.step import STATE_OP, LiftedStep, lift_step
 from autodist.session import DistributedSession
 
