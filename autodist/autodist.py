@@ -79,6 +79,7 @@ class AutoDist:
         self._optimizer_calls = []
         self._strategy: Optional[Strategy] = None
         self._trial = trial.TrialSettings.from_env()
+        self._joined = False  # a cluster job runs one graph
 
     @property
     def resource_spec(self) -> ResourceSpec:
@@ -185,6 +186,13 @@ class AutoDist:
     def _join_cluster(self, item: GraphItem, config):
         """The chief serves the strategy and launches workers; a worker fetches it."""
         spec, role = self._resource_spec, self._role
+        if self._joined:
+            raise NotImplementedError(
+                "On a cluster AutoDist runs one graph per AutoDist instance; this one already "
+                "trains another (a Keras step traced again for data of another structure, "
+                "e.g. train_on_batch after fit, or sample weights in one call only). Feed "
+                "data of one structure.")
+        self._joined = True
         if role.is_chief:
             strategy = self._build_strategy(item)
             compiled = compile_strategy(strategy, item, spec)

@@ -595,3 +595,26 @@ def test_step_without_optimizer_update_is_refused(spec_path):
     x, y = km.data("mlp")
     with pytest.raises(ValueError, match=r"no optimizer update in forward_only"):
         step(x[:8], y[:8])
+
+
+# ----------------------------------------------------------------------------- other ways in
+
+def test_a_dataset_with_sample_weights_then_train_on_batch_match_single_device(spec_path):
+    # fit traces a step for (x, y, sample_weight); train_on_batch passes (x, y,
+    # None), another structure, which gets a step of its own from the values so far.
+    x, y = km.data("mlp")
+    weights = np.linspace(0.5, 1.5, len(x)).astype(np.float32)
+
+    def train(model):
+        dataset = tf.data.Dataset.from_tensor_slices((x, y, weights)).batch(km.BATCH_SIZE)
+        history = model.fit(dataset, epochs=EPOCHS, verbose=0)
+        logs = model.train_on_batch(x[:8], y[:8])
+        return snapshot(model, model.optimizer, history.history), logs
+
+    want, want_logs = train(km.compiled("mlp", OPTIMIZERS["adam"]()))
+    ad = AutoDist(resource_spec_file=spec_path, strategy_builder=AllReduce())
+    with ad.scope():
+        model = km.compiled("mlp", OPTIMIZERS["adam"]())
+    got, got_logs = train(model)
+    assert_same(got, want, "fit on a weighted dataset, then train_on_batch")
+    np.testing.assert_allclose(got_logs, want_logs, rtol=RTOL, atol=ATOL)

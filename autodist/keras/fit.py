@@ -18,7 +18,7 @@ import keras
 
 from autodist import _keras_compat
 from autodist.keras.function import DistributedStep
-from autodist.keras.step import LiftedStep, lift_step
+from autodist.keras.step import LiftedStep, lift_step, signature
 from autodist.session import DistributedSession
 
 
@@ -63,8 +63,10 @@ class _FitRunner:
                  open_session: Callable[[LiftedStep], DistributedSession]):
         self._model = model
         self._open_session = open_session
-        self._step: Optional[DistributedStep] = None
+        self._step: Optional[DistributedStep] = None  # the step that ran last
+        self._steps = {}  # signature of the data -> its step
         self._stale = False  # trained values not yet copied into the model
+        self._in_fit = False  # else a step is train_on_batch's, copied back at once
 
     @property
     def step(self) -> Optional[DistributedStep]:
@@ -84,7 +86,11 @@ class _FitRunner:
             callbacks = list(callbacks or [])
             sync.watch(callbacks)
             bound.arguments["callbacks"] = [sync] + callbacks
-        return fit(*bound.args, **bound.kwargs)
+        self._in_fit = True
+        try:
+            return fit(*bound.args, **bound.kwargs)
+        finally:
+            self._in_fit = False
 
     def make_train_function(self, force: bool = False):
         """What ``fit`` calls before its first epoch: syncs in values Keras code changed."""
@@ -97,14 +103,25 @@ class _FitRunner:
 
     def train_function(self, iterator) -> dict:
         data = next(iterator)
-        if self._step is None:
-            lifted = lift_step(self._model.train_step, (data,))
-            self._step = DistributedStep(lifted, self._open_session(lifted))
+        step = self._steps.get(signature((data,)))
+        if step is None or step is not self._step:
+            # Data of another structure (train_on_batch after fit, sample weights
+            # in one call only) runs another traced step, from the values so far.
+            self.copy_to_model()
+            if step is None:
+                lifted = lift_step(self._model.train_step, (data,))
+                step = DistributedStep(lifted, self._open_session(lifted))
+                self._steps[signature((data,))] = step
+            else:
+                step.copy_from_eager_if_changed()
+            self._step = step
         else:
-            self._step.copy_from_eager_if_changed(forward_state_only=True)  # reset_metrics
-        self._step.run((data,), fetch_outputs=False)
+            step.copy_from_eager_if_changed(forward_state_only=True)  # reset_metrics
+        step.run((data,), fetch_outputs=False)
         self._stale = True
-        self._step.copy_to_eager(forward_state_only=True)
+        step.copy_to_eager(forward_state_only=True)
+        if not self._in_fit:
+            self.copy_to_model()
         return self._model.get_metrics_result()
 
     def copy_to_model(self) -> None:

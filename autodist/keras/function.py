@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from autodist.kernels.locations import Locator
-from autodist.keras.step import STATE_OP, LiftedStep, lift_step
+from autodist.keras.step import STATE_OP, LiftedStep, lift_step, signature
 from autodist.session import DistributedSession
 
 
@@ -129,19 +129,22 @@ class DistributedFunction:
         functools.update_wrapper(self, fn)
         self._open_session = open_session
         self._fn = fn
-        self._step: Optional[DistributedStep] = None
+        self._step: Optional[DistributedStep] = None  # the step that ran last
+        self._steps = {}  # signature of the arguments -> its step
 
     @property
     def step(self) -> Optional[DistributedStep]:
-        """The distributed step, once the function has been called."""
+        """The distributed step that ran last, once the function has been called."""
         return self._step
 
     def __call__(self, *args):
-        if self._step is None:
+        key = signature(args)
+        if key not in self._steps:  # traced for these arguments' structure and dtypes
             lifted = lift_step(self._fn, args)
-            self._step = DistributedStep(lifted, self._open_session(lifted))
+            self._steps[key] = DistributedStep(lifted, self._open_session(lifted))
         else:
-            self._step.copy_from_eager_if_changed()
+            self._steps[key].copy_from_eager_if_changed()
+        self._step = self._steps[key]
         outputs = self._step.run(args)
         self._step.copy_to_eager()
         return outputs

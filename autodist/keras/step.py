@@ -58,6 +58,11 @@ def argument_spec(value):
     return tf.TensorSpec(shape, tensor.dtype)
 
 
+def signature(args: tuple) -> str:
+    """What a traced step is specific to: the arguments' structure, dtypes and shapes."""
+    return repr(tf.nest.map_structure(argument_spec, args))
+
+
 def lift_step(fn: Callable, args: tuple) -> LiftedStep:
     """Traces ``fn(*args)`` and lifts it.
 
