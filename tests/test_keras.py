@@ -230,8 +230,11 @@ def saved_strategy_file(spec: str, model_name: str, directory) -> str:
     return ad.strategy.save(directory / f"{model_name}.strategy")
 
 
-@pytest.mark.parametrize("model_name", ["mlp", "embedding"])
-@pytest.mark.parametrize("builder", ["AllReduce", "PS", "PartitionedPS", "Parallax", "saved"])
+FUNCTION_CASES = ([("mlp", b) for b in [*BUILDERS, "saved"]]
+                  + [("embedding", b) for b in [*SUBSET, "PS", "saved"]])
+
+
+@pytest.mark.parametrize("model_name, builder", FUNCTION_CASES)
 def test_function_matches_tf_function(spec_path, tmp_path, model_name, builder):
     if builder == "saved":
         path = saved_strategy_file(spec_path, model_name, tmp_path)
@@ -243,6 +246,14 @@ def test_function_matches_tf_function(spec_path, tmp_path, model_name, builder):
     want = function_single(model_name)
     assert len(want.losses) == km.SAMPLES // km.BATCH_SIZE
     assert_same(got, want, f"ad.function on {model_name} under {builder}")
+
+
+def test_fit_under_a_saved_strategy_matches_single_device(spec_path, tmp_path):
+    _, _, ad = fit_autodist(spec_path, PartitionedPS(), "embedding", "adam")
+    strategy = Strategy.load(ad.strategy.save(tmp_path / "fit.strategy"))
+    got, _, again = fit_autodist(spec_path, strategy, "embedding", "adam")
+    assert again.strategy is strategy
+    assert_same(got, fit_single("embedding", "adam"), "fit under a saved PartitionedPS strategy")
 
 
 def test_function_accepts_a_tf_function_and_tensors(spec_path):
