@@ -629,3 +629,35 @@ def test_a_dataset_with_sample_weights_then_train_on_batch_match_single_device(s
     got, got_logs = train(model)
     assert_same(got, want, "fit on a weighted dataset, then train_on_batch")
     np.testing.assert_allclose(got_logs, want_logs, rtol=RTOL, atol=ATOL)
+
+
+
+class _WeightsPerBatch(keras.callbacks.Callback):
+    """Records the model's weights and the optimizer's iteration count after every batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append(([w.numpy() for w in self.model.weights],
+                          int(self.model.optimizer.iterations.numpy())))
+
+
+def test_a_callback_acting_per_batch_sees_each_batch_s_weights(spec_path):
+    def train(model):
+        recorder = _WeightsPerBatch()
+        model.fit(*km.data("mlp"), callbacks=[recorder], **fit_kwargs())
+        return recorder.seen, snapshot(model, model.optimizer)
+
+    want_seen, want = train(km.compiled("mlp", OPTIMIZERS["adam"]()))
+    ad = AutoDist(resource_spec_file=spec_path, strategy_builder=PartitionedPS())
+    with ad.scope():
+        model = km.compiled("mlp", OPTIMIZERS["adam"]())
+    got_seen, got = train(model)
+    assert len(got_seen) == len(want_seen) == EPOCHS * km.SAMPLES // km.BATCH_SIZE
+    for (got_weights, got_step), (want_weights, want_step) in zip(got_seen, want_seen):
+        assert got_step == want_step
+        for g, w in zip(got_weights, want_weights):
+            np.testing.assert_allclose(g, w, atol=ATOL, rtol=RTOL)
+    assert_same(got, want, "after fit with a per-batch callback")  # slots copied at the end

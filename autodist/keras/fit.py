@@ -56,7 +56,8 @@ class _FitRunner:
     Each step copies back only the state the forward pass writes (the metrics,
     for the logs); the weights and the optimizer's state are copied back
     whenever Keras code may read them: before validation, at the end of every
-    epoch and of ``fit``, and after every batch when a callback acts per batch.
+    epoch and of ``fit``, and after every batch when a callback acts per batch
+    (then the weights and the optimizer's iteration count, not its slots).
     """
 
     def __init__(self, model: keras.Model,
@@ -66,6 +67,7 @@ class _FitRunner:
         self._step: Optional[DistributedStep] = None  # the step that ran last
         self._steps = {}  # signature of the data -> its step
         self._stale = False  # trained values not yet copied into the model
+        self._slots_stale = False  # the optimizer's slots not yet copied
         self._in_fit = False  # else a step is train_on_batch's, copied back at once
 
     @property
@@ -118,17 +120,22 @@ class _FitRunner:
         else:
             step.copy_from_eager_if_changed(forward_state_only=True)  # reset_metrics
         step.run((data,), fetch_outputs=False)
-        self._stale = True
+        self._stale = self._slots_stale = True
         step.copy_to_eager(forward_state_only=True)
         if not self._in_fit:
             self.copy_to_model()
         return self._model.get_metrics_result()
 
-    def copy_to_model(self) -> None:
-        """Copies the trained weights and optimizer state into the model, if stale."""
-        if self._stale:
-            self._step.copy_to_eager()
+    def copy_to_model(self, slots: bool = True) -> None:
+        """Copies the trained weights and optimizer state into the model, if stale.
+
+        Args:
+            slots: also the optimizer's slots (not needed between batches).
+        """
+        if self._stale or (slots and self._slots_stale):
+            self._step.copy_to_eager(slots=slots)
             self._stale = False
+            self._slots_stale = self._slots_stale and not slots
 
 
 class _SyncCallback(keras.callbacks.Callback):
@@ -148,7 +155,7 @@ class _SyncCallback(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         if self._per_batch:
-            self._runner.copy_to_model()
+            self._runner.copy_to_model(slots=False)
 
     def on_test_begin(self, logs=None):
         self._runner.copy_to_model()  # validation inside fit

@@ -39,6 +39,10 @@ class DistributedStep:
         # Model state that is neither trained nor the optimizer's (metrics,
         # batch-norm statistics, seeds): small, and reset by Keras between epochs.
         self._forward_state = set()
+        # The optimizer's slots: as large as the weights (Adam: twice), read by
+        # Keras code between epochs rather than between batches.
+        self._slots = set()
+        slots = lifted.item.optimizer_call.slot_names()
         with distributed.graph.as_default(), tf.device(distributed.ctx.shared_device):
             for name, variable in lifted.variables.items():
                 location = locator.find(name)
@@ -46,6 +50,8 @@ class DistributedStep:
                     continue
                 if name in distributed.shared_variables:
                     self._forward_state.add(id(variable))
+                if name in slots:
+                    self._slots.add(id(variable))
                 if location.value is not None:
                     self._reads.append((variable, location.value()))
                 placeholder = tf.compat.v1.placeholder(variable.dtype, variable.shape)
@@ -76,16 +82,18 @@ class DistributedStep:
         flat = [next(results) if isinstance(o, tf.Tensor) else o for o in self._lifted.outputs]
         return tf.nest.pack_sequence_as(self._lifted.structure, flat)
 
-    def copy_to_eager(self, forward_state_only: bool = False) -> None:
+    def copy_to_eager(self, forward_state_only: bool = False, slots: bool = True) -> None:
         """Copies AutoDist's values into the eager variables.
 
         Args:
             forward_state_only: copy only the state the forward pass writes
                 (metrics, batch-norm statistics, seeds), not the weights and the
                 optimizer's state.
+            slots: also copy the optimizer's slots.
         """
         reads = [(v, t) for v, t in self._reads
-                 if not forward_state_only or id(v) in self._forward_state]
+                 if (not forward_state_only or id(v) in self._forward_state)
+                 and (slots or id(v) not in self._slots)]
         values = self._session.tf_session.run([tensor for _, tensor in reads])
         for (variable, _), value in zip(reads, values):
             variable.assign(value)
