@@ -105,7 +105,8 @@ class _FitRunner:
 
     def train_function(self, iterator) -> dict:
         data = next(iterator)
-        step = self._steps.get(signature((data,)))
+        key = signature((data,))
+        step = self._steps.get(key)
         if step is None or step is not self._step:
             # Data of another structure (train_on_batch after fit, sample weights
             # in one call only) runs another traced step, from the values so far.
@@ -113,7 +114,7 @@ class _FitRunner:
             if step is None:
                 lifted = lift_step(self._model.train_step, (data,))
                 step = DistributedStep(lifted, self._open_session(lifted))
-                self._steps[signature((data,))] = step
+                self._steps[key] = step
             else:
                 step.copy_from_eager_if_changed()
             self._step = step
