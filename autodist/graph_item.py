@@ -160,7 +160,7 @@ class GraphItem:
         consumers = {name: [] for name in nodes}
         for node in self.graph_def.node:
             for inp in node.input:
-                source = inp.lstrip("^").split(":")[0]
+                source = op_name(inp)
                 if source in consumers:
                     consumers[source].append(node.name)
         self.batched_inputs = {
@@ -198,7 +198,17 @@ class GraphItem:
         return digest.hexdigest()[:16]
 
     def is_replicated(self, tensor_or_op_name: str) -> bool:
-        return tensor_or_op_name.lstrip("^").split(":")[0] in self.replicated
+        return op_name(tensor_or_op_name) in self.replicated
+
+
+def op_name(name: str) -> str:
+    """The op of a tensor name or NodeDef input (``"^op"``, ``"op:1"`` -> ``"op"``)."""
+    return name.lstrip("^").split(":")[0]
+
+
+def tensor_name(name: str) -> str:
+    """A NodeDef input naming an op's first output as a tensor name (``"op"`` -> ``"op:0"``)."""
+    return name if ":" in name else name + ":0"
 
 
 def _is_batched(node) -> bool:

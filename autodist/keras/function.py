@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from autodist.kernels.locations import Locator
-from autodist.keras.step import STATE_OP, LiftedStep, lift_step, signature
+from autodist.keras.step import STATE_OP, LiftedStep, is_static, lift_step, signature
 from autodist.session import DistributedSession
 
 
@@ -71,7 +71,7 @@ class DistributedStep:
             fetch_outputs: whether to compute the step's outputs (``fit`` reads
                 its logs from the metrics instead).
         """
-        values = [a for a in tf.nest.flatten(args) if not _is_static(a)]
+        values = [a for a in tf.nest.flatten(args) if not is_static(a)]
         feeds = dict(zip(self._lifted.inputs, [_as_numpy(v) for v in values]))
         fetches = [self._lifted.item.optimizer_call.result_op_name, STATE_OP]
         if fetch_outputs:
@@ -156,10 +156,6 @@ class DistributedFunction:
         outputs = self._step.run(args)
         self._step.copy_to_eager()
         return outputs
-
-
-def _is_static(value) -> bool:
-    return value is None or isinstance(value, (bool, int, float, str))
 
 
 def _as_numpy(value):

@@ -47,9 +47,14 @@ class LiftedStep:
     variables: dict
 
 
+def is_static(value) -> bool:
+    """Whether a step's argument is a Python value the trace keeps, not a fed tensor."""
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
 def argument_spec(value):
     """The ``tf.TensorSpec`` a step is traced with for one argument (leading dim free)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
+    if is_static(value):
         return value
     tensor = tf.convert_to_tensor(value)
     shape = tensor.shape.as_list()

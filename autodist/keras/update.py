@@ -27,7 +27,7 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
-from autodist.graph_item import PartUpdate
+from autodist.graph_item import PartUpdate, op_name, tensor_name
 from autodist.kernels import partitioner
 
 RESOURCE_WRITES = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
@@ -39,14 +39,6 @@ RESOURCE_WRITES = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariable
 _NOT_ELEMENTWISE = ("Sum", "Mean", "Max", "Min", "Prod", "EuclideanNorm", "MatMul",
                     "BatchMatMulV2", "Transpose", "Reshape", "ArgMax", "ArgMin", "Cumsum",
                     "Einsum", "Tile", "Reverse", "ReverseV2")
-
-
-def _op_name(tensor_name: str) -> str:
-    return tensor_name.lstrip("^").split(":")[0]
-
-
-def _tensor_name(name: str) -> str:
-    return name if ":" in name else name + ":0"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,9 +127,9 @@ class KerasOptimizerCall:
 
     def _target(self, write: str) -> str:
         """The variable (op name) a write op writes."""
-        name = _op_name(self.nodes[write].input[0])
+        name = op_name(self.nodes[write].input[0])
         while name in self.nodes and self.nodes[name].op == "Identity":
-            name = _op_name(self.nodes[name].input[0])
+            name = op_name(self.nodes[name].input[0])
         return name
 
     def _ancestors(self, names) -> set:
@@ -148,13 +140,13 @@ class KerasOptimizerCall:
             if name in seen or name not in self.nodes:
                 continue
             seen.add(name)
-            todo.extend(_op_name(i) for i in self.nodes[name].input if not i.startswith("^"))
+            todo.extend(op_name(i) for i in self.nodes[name].input if not i.startswith("^"))
         return seen
 
     def _reads(self, names) -> set:
         """Op names outside the update that ``names`` read."""
-        return {_op_name(i) for n in names for i in self.nodes[n].input
-                if not i.startswith("^") and _op_name(i) not in self.nodes}
+        return {op_name(i) for n in names for i in self.nodes[n].input
+                if not i.startswith("^") and op_name(i) not in self.nodes}
 
     def _cut(self) -> _Stages:
         writes = self._writes(self.nodes)
@@ -304,10 +296,10 @@ class KerasUpdate:
         mapped = {}
         for node_name in ops:
             for inp in call.nodes[node_name].input:
-                source = _op_name(inp)
+                source = op_name(inp)
                 if inp.startswith("^") or source in ops:
                     continue
-                name = _tensor_name(inp)
+                name = tensor_name(inp)
                 if name in mapped:
                     continue
                 if source in common:
@@ -376,7 +368,7 @@ def _subgraph(graph_def, keep) -> tf.compat.v1.GraphDef:
             del new.attr["_class"]
         del new.input[:]
         new.input.extend(i for i in node.input
-                         if not (i.startswith("^") and _op_name(i) not in keep))
+                         if not (i.startswith("^") and op_name(i) not in keep))
     return out
 
 

@@ -14,15 +14,11 @@ from typing import Optional
 import tensorflow as tf
 
 from autodist import _tf_compat
-from autodist.graph_item import GraphItem
+from autodist.graph_item import GraphItem, op_name, tensor_name
 from autodist.kernels.context import KernelContext, replica_scope
 
 _PLACEMENT_ATTRS = ("_class",)
 _VARIABLE_OPS = ("VarHandleOp",)
-
-
-def _op_name(input_name: str) -> str:
-    return input_name.lstrip("^").split(":")[0]
 
 
 def _subgraph(item: GraphItem, names: set, external: dict, deferred: list,
@@ -50,7 +46,7 @@ def _subgraph(item: GraphItem, names: set, external: dict, deferred: list,
                 del new.attr[attr]
         del new.input[:]
         for inp in node.input:
-            source = _op_name(inp)
+            source = op_name(inp)
             if source in names:
                 new.input.append(inp)
             elif inp.startswith("^"):
@@ -74,7 +70,7 @@ def import_shared(item: GraphItem, ctx: KernelContext, deferred: list) -> None:
     def device_for(node) -> str:
         if node.name in variables:
             return ctx.variable_device
-        if any(_op_name(inp) in variables for inp in node.input if not inp.startswith("^")):
+        if any(op_name(inp) in variables for inp in node.input if not inp.startswith("^")):
             return ""  # resource ops are colocated with their variable
         return ctx.shared_device
 
@@ -128,7 +124,7 @@ def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
         input_map = {}
         with tf.device(device):
             for name in external:
-                source = _op_name(name)
+                source = op_name(name)
                 if source in item.variables:
                     input_map[name] = variable_handles[source][replica]
                 elif source in item.batched_inputs:
@@ -148,7 +144,7 @@ def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
         deferred.extend((f"{scope}/{node}", source) for node, source in local_deferred)
         for name, merge in merged.items():
             source = merge.delta or f"{name}:0"
-            scoped = f"{scope}/{source}" if _op_name(source) in copied else source
+            scoped = f"{scope}/{source}" if op_name(source) in copied else source
             assigned[name].append(graph.get_tensor_by_name(scoped))
     writes = []
     for name, merge in merged.items():
@@ -207,16 +203,12 @@ def _salt_random_keys(graph_def) -> str:
     return f"{_SALT}:0"
 
 
-def _tensor_name(name: str) -> str:
-    return name if ":" in name else name + ":0"
-
-
 def _increment(nodes: dict, value: str, variable: str) -> Optional[str]:
     """The ``delta`` of a value ``read(variable) + delta``, or None for another value."""
     def through_identities(name):
-        node = nodes.get(_op_name(name))
+        node = nodes.get(op_name(name))
         while node is not None and node.op == "Identity":
-            node = nodes.get(_op_name(node.input[0]))
+            node = nodes.get(op_name(node.input[0]))
         return node
 
     node = through_identities(value)
@@ -226,8 +218,8 @@ def _increment(nodes: dict, value: str, variable: str) -> Optional[str]:
     for read, delta in ((first, second), (second, first)):
         reader = through_identities(read)
         if (reader is not None and reader.op == "ReadVariableOp"
-                and _op_name(reader.input[0]) == variable):
-            return _tensor_name(delta)
+                and op_name(reader.input[0]) == variable):
+            return tensor_name(delta)
     return None
 
 
@@ -247,13 +239,13 @@ def _defer_shared_assigns(item: GraphItem, graph_def) -> dict:
         if node.op != "AssignVariableOp":
             continue
         resource, value = node.input[0], node.input[1]
-        source = nodes.get(_op_name(resource))
+        source = nodes.get(op_name(resource))
         if source is None or source.name not in item.shared or source.op not in _VARIABLE_OPS:
             continue
         dtype = node.attr["dtype"].type
         delta = (_increment(nodes, value, source.name)
                  if tf.as_dtype(dtype).is_floating else None)
-        merged[node.name] = _Merge(_tensor_name(resource), delta)
+        merged[node.name] = _Merge(tensor_name(resource), delta)
         controls = [inp for inp in node.input if inp.startswith("^")]
         node.op = "Identity"
         node.attr.clear()
