@@ -123,8 +123,9 @@ class AutoDist:
         concatenation, anything else replica 0's value.
 
         Note:
-            ``fn`` is traced once, at the first call, for arguments of that
-            call's structure and dtypes (any batch size). After every call the
+            ``fn`` is traced at the first call for arguments of that call's
+            structure and dtypes (any batch size), and again for arguments of
+            another structure or dtype. After every call the
             model's weights, the optimizer's state and the metrics hold the
             trained values; values changed between calls (``set_weights``,
             ``load_weights``) are picked up by the next call.
