@@ -3,6 +3,7 @@
 Each job runs tests/cluster_job.py as the chief inside the first namespace; the
 chief launches the workers through their launch prefixes.
 """
+import glob
 import os
 import re
 import signal
@@ -310,8 +311,15 @@ def test_the_job_token_is_on_no_command_line(two_nodes, tmp_path):
     command_lines = []
 
     def look():
-        listing = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-        command_lines.extend(line for line in listing.splitlines() if JOB in line)
+        # /proc rather than ps: ps cuts long lines to the terminal's width (COLUMNS).
+        for cmdline in glob.glob("/proc/[0-9]*/cmdline"):
+            try:
+                with open(cmdline, "rb") as f:
+                    line = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:  # the process ended meanwhile
+                continue
+            if JOB in line:
+                command_lines.append(line)
 
     _signal_chief_while_training(*two_nodes, tmp_path, "PS", signal.SIGINT, while_training=look)
     assert len(command_lines) >= 2  # the chief and the worker
