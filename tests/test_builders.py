@@ -3,6 +3,7 @@ import types
 
 import pytest
 
+from autodist import partition
 from autodist.graph_item import VariableInfo
 from autodist.proto import synchronizers_pb2
 from autodist.resource_spec import ResourceSpec
@@ -108,13 +109,13 @@ def parts_of(strategy):
 # ----------------------------------------------------------------------------- shared helpers
 
 def test_common_helpers_numbers():
-    assert common.partitioner_string(3, 1, 3) == "1,3,1"
-    assert common.partitioner_string(2, 0, 1) == "2"
-    assert common.part_name("a/b", 4) == "a/b/part_4"
-    assert common.partition_sizes(1000, 3) == [334, 333, 333]
-    assert common.partition_sizes(16, 3) == [6, 5, 5]
-    assert common.part_shapes((7, 4), 0, 3) == [(3, 4), (2, 4), (2, 4)]
-    assert common.part_shapes((8, 3, 5), 2, 2) == [(8, 3, 3), (8, 3, 2)]
+    assert partition.partitioner_string(3, 1, 3) == "1,3,1"
+    assert partition.partitioner_string(2, 0, 1) == "2"
+    assert partition.part_name("a/b", 4) == "a/b/part_4"
+    assert partition.partition_sizes(1000, 3) == [334, 333, 333]
+    assert partition.partition_sizes(16, 3) == [6, 5, 5]
+    assert partition.part_shapes((7, 4), 0, 3) == [(3, 4), (2, 4), (2, 4)]
+    assert partition.part_shapes((8, 3, 5), 2, 2) == [(8, 3, 3), (8, 3, 2)]
     assert common.largest_divisor_at_most(1000, 3) == 2
     assert common.largest_divisor_at_most(7, 3) == 1
     assert common.num_shards_even((12, 4), 1) == 2
@@ -126,7 +127,7 @@ def test_common_helpers_numbers():
     assert common.num_ar_partitions(8, None, 6) == 6
     assert common.num_ar_partitions(8, 16, 6) == 8
     with pytest.raises(ValueError, match="axis=3"):
-        common.partitioner_string(2, 3, 2)
+        partition.partitioner_string(2, 3, 2)
 
 
 def test_balanced_placement_is_least_loaded_first_with_device_order_ties():

@@ -17,6 +17,7 @@ import pytest
 import tensorflow as tf
 
 import models
+from autodist import partition
 from autodist import AutoDist
 from autodist.checkpoint import CheckpointError, SavedModelBuilder, Saver, latest_checkpoint
 from autodist.strategy import AllReduce, PartitionedPS, Strategy, common
@@ -91,7 +92,7 @@ def ps_axis_one_strategy(replicas) -> Strategy:
     for node in strategy.node_config:
         if node.part_config:
             for i, part in enumerate(node.part_config):
-                part.CopyFrom(common.ps_node_config(common.part_name(node.var_name, i),
+                part.CopyFrom(common.ps_node_config(partition.part_name(node.var_name, i),
                                                     replicas[0]))
         else:
             node.CopyFrom(common.ps_node_config(node.var_name, replicas[0]))

@@ -6,6 +6,7 @@ import types
 
 import pytest
 
+from autodist import partition
 from autodist.graph_item import VariableInfo
 from autodist.resource_spec import ResourceSpec
 from autodist.simulator import COMPONENTS, CostModel, CostWeights, format_breakdown
@@ -273,7 +274,7 @@ def test_a_partitioned_sparse_variable_is_pulled_whole():
     # The partitioner re-stitches the parts before the lookup, so every part is read
     # whole; the pushes still carry the touched rows, 5 of each replica's 10 per part.
     emb = [VariableInfo("emb", (1000, 64), "float32", sparse_grad=True)]
-    parts = [common.ps_node_config(common.part_name("emb", i), f"{A}:CPU:0") for i in range(2)]
+    parts = [common.ps_node_config(partition.part_name("emb", i), f"{A}:CPU:0") for i in range(2)]
     split = predict(strategy_of(ONE_PLUS_THREE, common.partitioned_node_config("emb", 0, 2, parts)),
                     emb, ONE_PLUS_THREE, batch_size=10)
     assert split == pytest.approx(seconds(3 * 10 * 256, 1) + seconds(3 * 1000 * 256, 1)
@@ -284,7 +285,7 @@ def test_many_parts_on_one_server_cost_their_overhead_not_more_bytes():
     v = vec("v")
     whole = predict(strategy_of(ONE_PLUS_THREE, common.ps_node_config("v", f"{A}:CPU:0")),
                     [v], ONE_PLUS_THREE)
-    parts = [common.ps_node_config(common.part_name("v", i), f"{A}:CPU:0") for i in range(4)]
+    parts = [common.ps_node_config(partition.part_name("v", i), f"{A}:CPU:0") for i in range(4)]
     split = predict(strategy_of(ONE_PLUS_THREE, common.partitioned_node_config("v", 0, 1, parts)),
                     [v], ONE_PLUS_THREE)
     assert split - whole == pytest.approx(3 * OVERHEAD)
@@ -446,3 +447,20 @@ def test_fp16_features_count_only_the_parts_that_travel_compressed():
                                                              "error_feedback_share"))
     assert table[:, fp16].tolist() == [1.0, 0.0]
     assert table[:, error_feedback].tolist() == [1.0, 0.0]
+
+
+def test_every_compressor_enum_value_has_a_class_that_states_its_wire_bytes():
+    from autodist.kernels import compressor
+    enum = compressor._ENUM
+    assert sorted(compressor.COMPRESSORS) == sorted(enum.values())
+    fp16 = compressor.compressor_class(enum.Value("HorovodCompressor"))
+    assert fp16.lossy and fp16.wire_bytes(400.0, "float32", sparse=False) == 200.0
+    assert fp16.wire_bytes(400.0, "float32", sparse=True) == 400.0  # gathered as it is
+    assert fp16.wire_bytes(400.0, "int32", sparse=False) == 400.0
+    exact = compressor.compressor_class(enum.Value("NoneCompressor"))
+    assert not exact.lossy and exact.wire_bytes(400.0, "float32", sparse=False) == 400.0
+    assert compressor.LOSSY == ("HorovodCompressor", "HorovodCompressorEF")
+    with pytest.raises(ImportError, match=r"enum values without a class \['HorovodCompressor'"):
+        compressor._registry([compressor.NoneCompressor])
+    with pytest.raises(ValueError, match="Unknown compressor 7"):
+        compressor.compressor_class(7)

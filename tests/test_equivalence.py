@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 import models
+from autodist import partition
 from autodist import AutoDist
 from autodist.strategy import (PS, AllReduce, Parallax, PartitionedAR, PartitionedPS,
                                PSLoadBalancing, RandomAxisPartitionAR, Strategy,
@@ -159,8 +160,8 @@ def axis_one_strategy(model: str, replicas) -> Strategy:
     strategy.proto.graph_config.replicas.extend(replicas)
     for name, rank in variables:
         if rank == 2:
-            parts = [common.ps_node_config(common.part_name(name, 0), replicas[0]),
-                     common.ar_node_config(common.part_name(name, 1), group=0)]
+            parts = [common.ps_node_config(partition.part_name(name, 0), replicas[0]),
+                     common.ar_node_config(partition.part_name(name, 1), group=0)]
             strategy.node_config.append(common.partitioned_node_config(name, 1, 2, parts))
         else:
             strategy.node_config.append(common.ar_node_config(name, group=1))

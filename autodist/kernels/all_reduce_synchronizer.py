@@ -19,7 +19,7 @@ import math
 
 import tensorflow as tf
 
-from autodist.kernels.compressor import compressor_name, make_compressor
+from autodist.kernels.compressor import compressor_class
 from autodist.kernels.context import KernelContext, replica_scope
 
 COLLECTIVE_GROUP_KEY = 1
@@ -110,7 +110,7 @@ def _reduce_dense(grads: list, sync, group_size: int, key: int, scope: str) -> t
     flat_shape = tf.constant([-1])  # one shape constant for all: large groups are common
     flat = tf.concat([tf.reshape(g, flat_shape) for g in grads], 0) if len(grads) > 1 \
         else tf.reshape(grads[0], flat_shape)
-    compressor = make_compressor(compressor_name(sync.compressor), scope)
+    compressor = compressor_class(sync.compressor)(scope)
     wire, ctx = compressor.compress(flat)
     summed = tf.raw_ops.CollectiveReduceV2(
         input=wire, group_size=group_size, group_key=COLLECTIVE_GROUP_KEY,

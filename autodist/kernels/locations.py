@@ -14,6 +14,7 @@ from typing import Callable, List, Optional
 import tensorflow as tf
 
 from autodist.kernels import partitioner
+from autodist.partition import PartitionPlan
 from autodist.kernels.transformer import DistributedGraph, VariableStorage
 
 
@@ -31,7 +32,7 @@ class Location:
 
     value: Optional[Callable[[], tf.Tensor]]
     parts: List[list]
-    plan: Optional[partitioner.PartitionPlan] = None
+    plan: Optional[PartitionPlan] = None
 
     def restore(self, full_value: tf.Tensor) -> tf.Operation:
         """Assigns ``full_value`` (the original layout) to every target."""

@@ -7,7 +7,7 @@ The prediction is a linear combination of a few named components, each a
   group costs ``2 (n - 1) / n * bytes / bandwidth`` for ``n`` replicas; the
   slowest link of the ring binds (the lowest NIC bandwidth when the ring spans
   several nodes, the host's local bandwidth between replicas of one node).
-  fp16 compressors put floating gradients on the wire as 2-byte values.
+  A group sends what its compressor class puts on the wire (fp16: 2-byte values).
 * ``all_gather`` (seconds at nominal bandwidth): a sparse AllReduce part is
   all-gathered, ``(n - 1) * sparse bytes per replica / bandwidth``.
 * ``collective_latency`` (collectives launched per step): one per dtype of a

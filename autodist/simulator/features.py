@@ -13,6 +13,7 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
+from autodist.kernels.compressor import COMPRESSORS
 from autodist.simulator.cost_model import COMPONENTS, CostModel
 
 FEATURE_NAMES = (
@@ -21,6 +22,9 @@ FEATURE_NAMES = (
     "log_link_gbps", "log_shared_bytes", "log_shared_parts",
     *(f"{name}_ms" for name in COMPONENTS),
     "log_total_ms", "total_ps_transfer_ms", "total_ring_ms")
+# Per compressor enum value (dense and contiguous from 0): is it lossy, does it feed errors back.
+_LOSSY = np.array([COMPRESSORS[v].lossy for v in range(len(COMPRESSORS))])
+_ERROR_FEEDBACK = np.array([COMPRESSORS[v].error_feedback for v in range(len(COMPRESSORS))])
 _FIRST_COMPONENT_COLUMN = FEATURE_NAMES.index(f"{COMPONENTS[0]}_ms")
 _TOTAL_MS = FEATURE_NAMES.index("log_total_ms")
 
@@ -70,8 +74,8 @@ def strategy_features(strategy: Any, variables: Any, resource_spec: Any, *, batc
     np.maximum.at(table[:, 7], row, parts.staleness)
     # Sparse gradients are gathered uncompressed, whatever their group's compressor.
     compressed = ~ps & ~parts.sparse
-    table[:, 8] = per_row(compressed & (parts.compressor != 0))
-    table[:, 9] = per_row(compressed & (parts.compressor == 2))
+    table[:, 8] = per_row(compressed & _LOSSY[parts.compressor])
+    table[:, 9] = per_row(compressed & _ERROR_FEEDBACK[parts.compressor])
     counts = np.bincount(row, minlength=len(table))
     table[:, 10] = counts
     ring_gbps = charges.cluster.ring_gbps()

@@ -37,8 +37,9 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Sequence, Tuple
 
 import numpy as np
 
+from autodist import partition
+from autodist.kernels.compressor import compressor_class
 from autodist.resource_spec import DEFAULT_BANDWIDTH_GBPS, DeviceSpec
-from autodist.strategy import common
 from autodist.strategy.base import StrategyError
 
 Resource = Tuple[str, str]
@@ -55,17 +56,9 @@ overlap the pushes of the parts still arriving; replicas without a proxy read
 the servers in the next step's forward pass, after every update."""
 _PUSH, _REFRESH, _READ = range(len(PHASES))
 
-_FP16_BYTES = 2
-
-
 @functools.lru_cache(maxsize=None)
 def _itemsize(dtype: str) -> int:
     return np.dtype(dtype).itemsize
-
-
-@functools.lru_cache(maxsize=None)
-def _is_floating(dtype: str) -> bool:
-    return np.issubdtype(np.dtype(dtype), np.floating)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -205,30 +198,26 @@ class SyncParts:
 
 
 def _part_bytes(shape: tuple, dtype: str, sparse: bool, axis: int, part_shape: tuple,
-                touched: float) -> Tuple[float, float, float]:
-    """Bytes of a part's value, of one replica's gradient of it, and of that gradient in fp16."""
+                touched: float) -> Tuple[float, float]:
+    """Bytes of a part's value and of one replica's gradient of it."""
     value_bytes = float(_num_elements(part_shape) * _itemsize(dtype))
     grad_bytes = (sparse_grad_bytes(shape, part_shape, axis, dtype, touched)
                   if sparse else value_bytes)
-    # fp16 compressors change floating dense gradients only; sparse ones are gathered as they are.
-    fp16_bytes = (grad_bytes * _FP16_BYTES / _itemsize(dtype)
-                  if _is_floating(dtype) and not sparse else grad_bytes)
-    return value_bytes, grad_bytes, fp16_bytes
+    return value_bytes, grad_bytes
 
 
 @functools.lru_cache(maxsize=65536)
 def _split_bytes(shape: tuple, dtype: str, sparse: bool, partitioner: str,
-                 touched: float) -> Tuple[Tuple[float, float, float], ...]:
+                 touched: float) -> Tuple[Tuple[float, float], ...]:
     """:func:`_part_bytes` of each part of a variable cut by ``partitioner`` ("" for none).
 
     Cached: sampled strategies cut the same variables the same few ways.
     """
     if not partitioner:
         return (_part_bytes(shape, dtype, sparse, 0, shape, touched),)
-    counts = [int(c) for c in partitioner.split(",")]
-    axis = next((i for i, c in enumerate(counts) if c > 1), 0)
-    return tuple(_part_bytes(shape, dtype, sparse, axis, part, touched)
-                 for part in common.part_shapes(shape, axis, counts[axis]))
+    plan = partition.parse_partitioner(partitioner, shape, "")
+    return tuple(_part_bytes(shape, dtype, sparse, plan.axis, plan.part_shape(i), touched)
+                 for i in range(plan.num_parts))
 
 
 def _columns(infos: List[Any], names: List[str], records: List[tuple],
@@ -300,7 +289,7 @@ def sync_parts(strategy: Any, variables: Sequence[Any], batch_size: int,
                              rows_touched.get(name, batch_size))
         # Inlined rather than a function per part: this loop runs for every part of
         # thousands of candidates, and a call costs as much as the work.
-        for unit, (value_bytes, grad_bytes, fp16_bytes) in zip(
+        for unit, (value_bytes, grad_bytes) in zip(
                 node.part_config if partitioner else (node,), split):
             kind = unit.WhichOneof("synchronizer")
             names.append(unit.var_name)
@@ -314,8 +303,9 @@ def sync_parts(strategy: Any, variables: Sequence[Any], batch_size: int,
             elif kind == "AllReduceSynchronizer":
                 sync = unit.AllReduceSynchronizer
                 compressor = sync.compressor
-                records.append((row, value_bytes, grad_bytes,
-                                fp16_bytes if compressor else grad_bytes, False, -1, False, 0,
+                wire_bytes = compressor_class(compressor).wire_bytes(
+                    grad_bytes, info.dtype, info.sparse_grad)
+                records.append((row, value_bytes, grad_bytes, wire_bytes, False, -1, False, 0,
                                 False, compressor, sync.group))
             else:
                 raise StrategyError(f"Cost model: '{unit.var_name}' has no synchronizer; set "

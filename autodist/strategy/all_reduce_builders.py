@@ -4,6 +4,7 @@ from __future__ import annotations
 import random
 from typing import List, Optional, Sequence
 
+from autodist import partition
 from autodist.strategy import common
 from autodist.strategy.base import Strategy, StrategyBuilder
 
@@ -77,7 +78,7 @@ class PartitionedAR(StrategyBuilder):
 
     A variable whose split axis has size >= 2 gets
     ``min(num_partitions or max(2, num_replicas), size)`` parts (uneven sizes
-    allowed, see :func:`common.partition_sizes`). Groups are assigned by chunk
+    allowed, see :func:`autodist.partition.partition_sizes`). Groups are assigned by chunk
     over the sequence of all-reduced units (parts, or whole variables).
 
     Args:
@@ -125,7 +126,7 @@ class PartitionedAR(StrategyBuilder):
                 continue
             parts: List = []
             for i in range(k):
-                parts.append(self._ar.node(common.part_name(var.name, i), index))
+                parts.append(self._ar.node(partition.part_name(var.name, i), index))
                 index += 1
             strategy.node_config.append(
                 common.partitioned_node_config(var.name, axis, len(shape), parts))

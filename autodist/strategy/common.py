@@ -1,11 +1,7 @@
 """Helpers shared by the strategy builders: node configs, partitioning, placement.
 
-Partition convention (kernels rely on it): a variable split into ``k`` parts
-along ``axis`` has the partitioner string with ``k`` at ``axis`` and ``1``
-elsewhere (``"1,3,1"``), and ``k`` part configs named ``"<var>/part_<i>"`` in
-order. Part ``i`` holds a contiguous slice; when the size ``n`` along the axis
-is not a multiple of ``k``, the first ``n % k`` parts hold one extra row
-(:func:`partition_sizes`).
+The partition convention (names, strings, which rows each part holds) is
+:mod:`autodist.partition`'s.
 """
 from __future__ import annotations
 
@@ -14,6 +10,7 @@ import numbers
 import operator
 from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
+from autodist.partition import partition_sizes, partitioner_string
 from autodist.proto import strategy_pb2
 from autodist.proto import synchronizers_pb2
 from autodist.strategy.base import Strategy, StrategyError
@@ -174,45 +171,6 @@ def partitioned_node_config(var_name: str, axis: int, rank: int,
 
 
 # --------------------------------------------------------------------------- partitioning
-
-def partitioner_string(num_parts: int, axis: int, rank: int) -> str:
-    """Formats a partitioner: ``num_parts`` at ``axis``, 1 elsewhere, e.g. ``"1,3,1"``.
-
-    Raises:
-        ValueError: if ``axis`` is outside ``[0, rank)`` or ``num_parts < 1``.
-    """
-    if not 0 <= axis < rank:
-        raise ValueError(f"axis={axis} is out of range for a variable of rank={rank}.")
-    if num_parts < 1:
-        raise ValueError(f"num_parts must be >= 1, got num_parts={num_parts}.")
-    return ",".join(str(num_parts) if i == axis else "1" for i in range(rank))
-
-
-def part_name(var_name: str, index: int) -> str:
-    """Returns the name of partition ``index`` of ``var_name``: ``"<var>/part_<i>"``."""
-    return f"{var_name}/part_{index}"
-
-
-def partition_sizes(dim: int, num_parts: int) -> List[int]:
-    """Splits ``dim`` rows into ``num_parts`` contiguous parts differing by at most one.
-
-    The first ``dim % num_parts`` parts get the extra row.
-
-    Raises:
-        ValueError: if ``num_parts`` is not in ``[1, dim]``.
-    """
-    if not 1 <= num_parts <= dim:
-        raise ValueError(f"Cannot split dim={dim} into num_parts={num_parts}; need 1 <= parts <= dim.")
-    base, extra = divmod(dim, num_parts)
-    return [base + 1 if i < extra else base for i in range(num_parts)]
-
-
-def part_shapes(shape: Sequence[int], axis: int, num_parts: int) -> List[Tuple[int, ...]]:
-    """Returns the shapes of the parts of ``shape`` split along ``axis``."""
-    shape = tuple(int(d) for d in shape)
-    return [shape[:axis] + (rows,) + shape[axis + 1:]
-            for rows in partition_sizes(shape[axis], num_parts)]
-
 
 def part_sizes_bytes(var, axis: int, num_parts: int) -> List[int]:
     """Returns the byte size of each part of ``var`` (a ``VariableInfo``) split along ``axis``."""

@@ -9,12 +9,12 @@ import dataclasses
 from typing import Optional, Union
 
 from autodist.graph_item import GraphItem, VariableInfo
-from autodist.kernels.compressor import compressor_name
-from autodist.kernels.partitioner import PartitionPlan, parse_partitioner
+from autodist.partition import PartitionPlan, parse_partitioner
 from autodist.proto import synchronizers_pb2
 from autodist.resource_spec import ResourceSpec
 from autodist.strategy.base import Strategy, StrategyError
 
+_COMPRESSOR = synchronizers_pb2.AllReduceSynchronizer.Compressor
 Synchronizer = Union[synchronizers_pb2.PSSynchronizer, synchronizers_pb2.AllReduceSynchronizer]
 
 
@@ -104,7 +104,7 @@ def _check_group_compressors(compiled: dict, strategy_id: str) -> None:
                 compressors.setdefault(sync.group, {}).setdefault(sync.compressor, part.name)
     for group, names in sorted(compressors.items()):
         if len(names) > 1:
-            found = ", ".join(f"'{name}' {compressor_name(value)}"
+            found = ", ".join(f"'{name}' {_COMPRESSOR.Name(value)}"
                               for value, name in sorted(names.items()))
             raise StrategyError(
                 f"Strategy {strategy_id}: all-reduce group {group} mixes compressors ({found}); "

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Sequence
 
+from autodist import partition
 from autodist.strategy import common
 from autodist.strategy.base import Strategy, StrategyBuilder
 
@@ -73,7 +74,7 @@ def sharded_ps_node_configs(variables: Sequence, ps_devices: Sequence[str], ps: 
             items.append((var.name, var.size_bytes))
         else:
             sizes = common.part_sizes_bytes(var, 0, k)
-            items.extend((common.part_name(var.name, i), size) for i, size in enumerate(sizes))
+            items.extend((partition.part_name(var.name, i), size) for i, size in enumerate(sizes))
     placement, _ = common.balanced_placement(items, ps_devices, pinned_loads)
 
     nodes = {}
@@ -85,7 +86,7 @@ def sharded_ps_node_configs(variables: Sequence, ps_devices: Sequence[str], ps: 
             nodes[var.name] = ps.node(var.name, placement[var.name])
         else:
             parts = [ps.node(name, placement[name])
-                     for name in (common.part_name(var.name, i) for i in range(k))]
+                     for name in (partition.part_name(var.name, i) for i in range(k))]
             nodes[var.name] = common.partitioned_node_config(var.name, 0, len(var.shape), parts)
     return nodes
 
@@ -153,7 +154,7 @@ class UnevenPartitionedPS(_PSBuilder):
     """Like :class:`PartitionedPS` with ``k = min(max(2, len(ps_devices)), shape[0])``.
 
     ``k`` need not divide ``shape[0]``: shard sizes differ by at most one row
-    (:func:`common.partition_sizes`).
+    (:func:`autodist.partition.partition_sizes`).
 
     Args: as :class:`PS`.
     """

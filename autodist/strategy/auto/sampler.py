@@ -31,6 +31,8 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 
+from autodist import partition
+from autodist.kernels.compressor import LOSSY as LOSSY_COMPRESSORS
 from autodist.strategy import common
 from autodist.strategy.all_reduce_builders import no_grad_node_config
 from autodist.strategy.base import Strategy
@@ -38,8 +40,6 @@ from autodist.strategy.base import Strategy
 Node = common.Node
 
 __all__ = ["SamplerConstraints", "StrategySampler", "sample", "sample_many"]
-
-_FP16_COMPRESSORS = ("HorovodCompressor", "HorovodCompressorEF")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +56,7 @@ class SamplerConstraints:
         max_groups: most AllReduce groups per gradient dtype; None for one per unit.
         sparse_all_reduce: sparse-gradient variables may be all-reduced
             (all-gathered); with False they always go to parameter servers.
-        allow_fp16: fp16 compressors may be chosen (lossy).
+        allow_fp16: lossy compressors (the fp16 ones) may be chosen.
         max_staleness: PS staleness bounds may go up to this (lossy; 0 keeps
             training synchronous).
 
@@ -253,8 +253,8 @@ class StrategySampler:
             return _Plan("", [var.name], [size], is_ps, proxy, aggregate)
         key = (var.name, axis, num_parts)
         if key not in self._cuts:
-            self._cuts[key] = (common.partitioner_string(num_parts, axis, len(var.shape)),
-                               [common.part_name(var.name, i) for i in range(num_parts)],
+            self._cuts[key] = (partition.partitioner_string(num_parts, axis, len(var.shape)),
+                               [partition.part_name(var.name, i) for i in range(num_parts)],
                                common.part_sizes_bytes(var, axis, num_parts))
         return _Plan(*self._cuts[key], is_ps, proxy, aggregate)
 
@@ -293,7 +293,7 @@ class StrategySampler:
             floating = np.issubdtype(np.dtype(dtype), np.floating)
             for group in ids:
                 lossy = floating and rng.random() < knobs.fp16_share
-                compressors[group] = rng.choice(_FP16_COMPRESSORS) if lossy else "NoneCompressor"
+                compressors[group] = rng.choice(LOSSY_COMPRESSORS) if lossy else "NoneCompressor"
             next_group = ids[-1] + 1
         compressors.setdefault(0, "NoneCompressor")
         # Units copy a config per compressor, then set their group: the helper's
