@@ -16,7 +16,7 @@ from autodist.kernels.context import KernelContext
 from autodist.kernels.transformer import transform
 from autodist.resource_spec import DeviceSpec, ResourceSpec
 from autodist.session import DistributedSession
-from autodist.strategy.auto import trial
+from autodist.search import trial
 from autodist.strategy.all_reduce_builders import AllReduce
 from autodist.strategy.base import Strategy, StrategyBuilder
 from autodist.strategy.compiler import CompiledStrategy, compile_strategy

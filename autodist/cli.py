@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 import yaml
 
 from autodist.cluster import emulate, probe
-from autodist.strategy.auto import commands as search_commands
+from autodist.search import commands as search_commands
 from autodist.usage import UsageError, options_checked
 
 

@@ -76,10 +76,10 @@ def run_setting(args) -> dict:
     from autodist.resource_spec import ResourceSpec
     from autodist.simulator.fidelity import kendall_tau
     from autodist.strategy import BUILDERS
-    from autodist.strategy.auto.builder import SearchSettings, search_strategy, timed_steps
+    from autodist.search.builder import SearchSettings, search_strategy, timed_steps
     from autodist.simulator.features import cost_model_seconds
-    from autodist.strategy.auto.search import StrategySearch
-    from autodist.strategy.auto.trial import ScriptRunner
+    from autodist.search.search import StrategySearch
+    from autodist.search.trial import ScriptRunner
 
     setting = SETTINGS[args.setting]
     script = [os.path.join(HERE, "auto_models.py"), "--model", setting["model"], "--spec",

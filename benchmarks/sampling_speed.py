@@ -39,7 +39,7 @@ def measure(count: int, num_vars: int) -> dict:
     from autodist.resource_spec import ResourceSpec
     from autodist.simulator.calibration import Calibration
     from autodist.simulator.features import cost_model_seconds
-    from autodist.strategy.auto.search import StrategySearch
+    from autodist.search.search import StrategySearch
 
     rng = random.Random(0)
     variables = [VariableInfo(f"layer{i // 16}/v{i}", (rng.choice([128, 1024, 4096]),

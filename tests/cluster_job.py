@@ -95,7 +95,7 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.builder == "AutoStrategy":  # a small search: trials time 1 + 2 of this job's steps
-        from autodist.strategy import AutoStrategy
+        from autodist.search import AutoStrategy
         builder = AutoStrategy(trials=4, candidates=100, per_round=2, warmup=1, steps=2,
                                log_dir=os.path.join(os.path.dirname(args.out), "search"),
                                progress=False)

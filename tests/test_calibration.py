@@ -9,7 +9,7 @@ from autodist.simulator import COMPONENTS, CostModel
 from autodist.simulator.calibration import MIN_TRIALS, Calibration, component_seconds
 from autodist.simulator.features import cost_model_seconds, strategy_features
 from autodist.simulator.fidelity import kendall_tau
-from autodist.strategy.auto.sampler import SamplerConstraints, StrategySampler
+from autodist.search.sampler import SamplerConstraints, StrategySampler
 from test_search import heterogeneous_cluster, synthetic_graph
 
 pytestmark = pytest.mark.timeout(120)

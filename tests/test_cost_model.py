@@ -429,7 +429,7 @@ def test_bad_arguments_are_named():
 
 
 def test_the_simulator_and_sampler_import_without_tensorflow():
-    code = ("import sys, autodist.simulator, autodist.strategy.auto; "
+    code = ("import sys, autodist.simulator, autodist.search; "
             "sys.exit('tensorflow' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from autodist._startup import is_cpp_log_line
-from autodist.strategy.auto.builder import format_progress
+from autodist.search.builder import format_progress
 
 REPO = os.path.join(os.path.dirname(__file__), "..")
 EXAMPLE = os.path.join(REPO, "examples", "train_keras_mlp.py")

@@ -13,7 +13,7 @@ from autodist.resource_spec import ResourceSpec
 from autodist.simulator import CostModel
 from autodist.strategy import common
 from autodist.strategy.all_reduce_builders import no_grad_node_config
-from autodist.strategy.auto import SamplerConstraints, StrategySampler, sample, sample_many
+from autodist.search import SamplerConstraints, StrategySampler, sample, sample_many
 from autodist.strategy.compiler import compile_strategy
 from test_builders import ONE_NODE, THREE_NODES
 

@@ -15,10 +15,11 @@ from autodist.simulator import CostModel
 from autodist.simulator.calibration import Calibration
 from autodist.simulator.features import cost_model_seconds
 from autodist.simulator.fidelity import kendall_tau
-from autodist.strategy import BUILDERS, AutoStrategy, Strategy
-from autodist.strategy.auto.builder import SearchSettings, search_strategy
-from autodist.strategy.auto.search import StrategySearch
-from autodist.strategy.auto.trial import CapturedGraph, TrialResult
+from autodist.search import AutoStrategy
+from autodist.strategy import BUILDERS, Strategy
+from autodist.search.builder import SearchSettings, search_strategy
+from autodist.search.search import StrategySearch
+from autodist.search.trial import CapturedGraph, TrialResult
 from test_equivalence import assert_equivalent
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "train_mlp.py")

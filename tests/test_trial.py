@@ -10,8 +10,8 @@ import pytest
 from autodist.cluster import runtime
 from autodist.resource_spec import ResourceSpec
 from autodist.strategy import PS, AllReduce, common
-from autodist.strategy.auto import trial
-from autodist.strategy.auto.trial import ScriptRunner
+from autodist.search import trial
+from autodist.search.trial import ScriptRunner
 from autodist.strategy.base import Strategy
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "train_mlp.py")

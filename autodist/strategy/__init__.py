@@ -1,4 +1,8 @@
-"""Distribution strategies and the builders that produce them."""
+"""Distribution strategies and the hand-written builders that produce them.
+
+``AutoStrategy``, the builder that searches, runs jobs on clusters and so lives
+above them, in :mod:`autodist.search`.
+"""
 from autodist.strategy.all_reduce_builders import AllReduce, PartitionedAR, RandomAxisPartitionAR
 from autodist.strategy.base import Strategy, StrategyBuilder, StrategyError
 from autodist.strategy.parallax import Parallax
@@ -6,7 +10,6 @@ from autodist.strategy.ps_builders import PS, PartitionedPS, PSLoadBalancing, Un
 
 __all__ = [
     "AllReduce",
-    "AutoStrategy",
     "BUILDERS",
     "PS",
     "Parallax",
@@ -47,10 +50,3 @@ def get_builder(name: str, **kwargs) -> StrategyBuilder:
         raise ValueError(f"Unknown strategy builder name={name!r}; valid names are {sorted(BUILDERS)}.")
     return BUILDERS[name](**kwargs)
 
-
-def __getattr__(name: str):
-    # AutoStrategy brings the learned simulator (Keras); load it only when asked for.
-    if name == "AutoStrategy":
-        from autodist.strategy.auto.builder import AutoStrategy
-        return AutoStrategy
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

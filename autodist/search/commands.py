@@ -17,7 +17,7 @@ from autodist.usage import options_checked
 def _runner(args: argparse.Namespace, workdir: str):
     """The script's runner, once the script and ``--spec`` are known to be usable."""
     from autodist.resource_spec import ResourceSpec
-    from autodist.strategy.auto.trial import ScriptRunner
+    from autodist.search.trial import ScriptRunner
     if not os.path.isfile(args.script):
         raise ValueError(f"The training script '{args.script}' does not exist.")
     if args.spec:
@@ -28,7 +28,7 @@ def _runner(args: argparse.Namespace, workdir: str):
 
 def _search(args: argparse.Namespace) -> int:
     from autodist.resource_spec import ResourceSpec
-    from autodist.strategy.auto.builder import SearchSettings, search_strategy
+    from autodist.search.builder import SearchSettings, search_strategy
 
     with options_checked():  # before the script runs to read its graph
         settings = SearchSettings(trials=args.trials, candidates=args.candidates,
@@ -67,7 +67,7 @@ def _explain(args: argparse.Namespace) -> int:
     from autodist.resource_spec import ResourceSpec
     from autodist.simulator import CostModel, format_breakdown
     from autodist.strategy import Strategy
-    from autodist.strategy.auto.builder import SearchSettings
+    from autodist.search.builder import SearchSettings
     from autodist.strategy.common import check_int
     from autodist.strategy.compiler import compile_strategy
     import tempfile

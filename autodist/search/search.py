@@ -42,8 +42,8 @@ from autodist.simulator.calibration import Calibration
 from autodist.simulator.features import FEATURE_NAMES, cost_model_seconds, strategy_features
 from autodist.simulator.fidelity import fidelity_threshold
 from autodist.simulator.ranking import RankingSimulator
-from autodist.strategy.auto.sampler import SamplerConstraints, StrategySampler
-from autodist.strategy.auto.trial import TrialResult
+from autodist.search.sampler import SamplerConstraints, StrategySampler
+from autodist.search.trial import TrialResult
 from autodist.strategy.base import Strategy
 
 FIDELITY_ACCURACY = 0.8

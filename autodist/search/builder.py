@@ -29,9 +29,9 @@ from autodist.simulator.calibration import Calibration
 from autodist.simulator.features import FEATURE_NAMES, FEATURES_VERSION
 from autodist.simulator.ranking import RankingSimulator, SimulatorStateError
 from autodist.strategy import BUILDERS
-from autodist.strategy.auto.sampler import SamplerConstraints
-from autodist.strategy.auto.search import SearchResult, StrategySearch, plot, write_log
-from autodist.strategy.auto.trial import ScriptRunner, check_seconds
+from autodist.search.sampler import SamplerConstraints
+from autodist.search.search import SearchResult, StrategySearch, plot, write_log
+from autodist.search.trial import ScriptRunner, check_seconds
 from autodist.strategy.base import Strategy, StrategyBuilder
 from autodist.strategy.common import check_int
 
