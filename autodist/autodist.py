@@ -57,6 +57,9 @@ class AutoDist:
         strategy_builder: a builder (``PS()``, ``AllReduce()``, ...) or a saved
             ``Strategy`` to reuse; by default ``AllReduce()``, the fastest
             hand-written builder on most of the benchmarks' models.
+        trial_hooks: what a strategy search changes in this job (its spec, a
+            capture of the graph, a timed trial of a candidate); by default the
+            ones ``autodist search`` set for this process, none outside a search.
 
     Raises:
         ResourceSpecError: when the spec is missing or invalid.
@@ -64,9 +67,10 @@ class AutoDist:
     """
 
     def __init__(self, resource_spec_file: str,
-                 strategy_builder: Union[StrategyBuilder, Strategy, None] = None):
-        # A strategy search runs this script on its own spec.
-        self._resource_spec = ResourceSpec(os.environ.get(trial.SPEC_ENV, resource_spec_file))
+                 strategy_builder: Union[StrategyBuilder, Strategy, None] = None,
+                 trial_hooks: Optional[trial.TrialHooks] = None):
+        self._trial = trial_hooks if trial_hooks is not None else trial.TrialHooks.from_environment()
+        self._resource_spec = ResourceSpec(self._trial.resource_spec_file(resource_spec_file))
         if strategy_builder is None:
             strategy_builder = AllReduce()
         if not isinstance(strategy_builder, (StrategyBuilder, Strategy)):
@@ -78,7 +82,6 @@ class AutoDist:
         runtime.check_this_node(self._resource_spec, self._role)
         self._optimizer_calls = []
         self._strategy: Optional[Strategy] = None
-        self._trial = trial.TrialSettings.from_env()
         self._joined = False  # a cluster job runs one graph
 
     @property
@@ -152,17 +155,15 @@ class AutoDist:
 
     def _open_session(self, item: GraphItem, config: Optional[tf.compat.v1.ConfigProto] = None
                       ) -> DistributedSession:
-        capture = os.environ.get(trial.CAPTURE_ENV)
-        if capture and self.is_chief:
-            trial.write_capture(capture, item.trainable_variables, item.fingerprint,
-                                self._resource_spec.source)
-            raise SystemExit(0)
+        self._trial.before_session(item.trainable_variables, item.fingerprint,
+                                   self._resource_spec.source, self.is_chief)
         if len(self._resource_spec.nodes) == 1:
             strategy = self._build_strategy(item)
             compiled = compile_strategy(strategy, item, self._resource_spec)
             ctx = self._kernel_context(item, compiled, self._local_devices())
             session = DistributedSession(transform(item, compiled, ctx),
-                                         config=self._config(config), on_step=self._step_timer())
+                                         config=self._config(config),
+                                         on_step=self._trial.step_timer(self.is_chief))
         else:
             strategy, session = self._join_cluster(item, config)
         self._strategy = strategy
@@ -178,8 +179,9 @@ class AutoDist:
         return GraphItem(graph, calls[0] if calls else None)
 
     def _build_strategy(self, item: GraphItem) -> Strategy:
-        if self._trial is not None:
-            return Strategy.load(self._trial.strategy)
+        trial_strategy = self._trial.strategy()
+        if trial_strategy is not None:
+            return trial_strategy
         if isinstance(self._builder, Strategy):
             return self._builder
         return self._builder.build(item, self._resource_spec)
@@ -198,7 +200,7 @@ class AutoDist:
             strategy = self._build_strategy(item)
             compiled = compile_strategy(strategy, item, spec)
             peer = runtime.ChiefCoordinator(spec, strategy, item.fingerprint,
-                                            worker_env=trial.worker_env(self._trial))
+                                            worker_env=self._trial.worker_env())
             peer.start()
             monitor = peer.check_workers
         else:
@@ -214,7 +216,7 @@ class AutoDist:
         server = runtime.start_tf_server(spec, role, node_config)
         runtime.wait_until_tf_servers_listen(spec, JOIN_TIMEOUT_S, check=monitor)
         ctx = self._kernel_context(item, compiled, runtime.tf_devices(spec))
-        timer = self._step_timer()
+        timer = self._trial.step_timer(role.is_chief)
         if role.is_chief:
             on_step, stuck_nodes = timer, peer.stuck_nodes
         else:
@@ -231,10 +233,6 @@ class AutoDist:
         else:
             peer.report_ready()
         return strategy, session
-
-    def _step_timer(self) -> Optional[trial.StepTimer]:
-        """In a strategy search's trial, what times the steps and then ends the job."""
-        return trial.StepTimer(self._trial, self.is_chief) if self._trial else None
 
     def _local_devices(self) -> dict:
         devices = self._resource_spec.cpu_devices + self._resource_spec.replica_devices

@@ -71,3 +71,16 @@ def test_a_bad_thread_count_is_named(spec_path, monkeypatch, value):
         with pytest.raises(ValueError, match=f"AUTODIST_INTRA_OP_THREADS={value!r} is not a "
                                              "thread count"):
             ad.create_distributed_session()
+
+
+def test_a_nodes_process_wide_handlers_are_restored_after_its_job():
+    import signal
+    import sys
+    hooks = runtime.ProcessHooks()
+    before = sys.excepthook, signal.getsignal(signal.SIGTERM)
+    hooks.install(lambda error: None, stop_on_sigterm=True)
+    assert sys.excepthook is not before[0]
+    assert signal.getsignal(signal.SIGTERM) is runtime._raise_terminated
+    hooks.restore()
+    hooks.restore()  # a second call, e.g. at exit after an error's shutdown, changes nothing
+    assert (sys.excepthook, signal.getsignal(signal.SIGTERM)) == before

@@ -1,4 +1,6 @@
 """Trials: the README's example script captured and timed under candidate strategies."""
+import dataclasses
+import json
 import os
 import signal
 import socket
@@ -201,7 +203,10 @@ def test_a_trials_workers_reached_over_ssh_get_its_settings_and_spec(monkeypatch
     from autodist.cluster import launcher
     monkeypatch.setenv(trial.SPEC_ENV, "/jobs/search.yml")
     settings = trial.TrialSettings(strategy="/jobs/t.strategy", result="/jobs/t.json")
-    env = trial.worker_env(settings)
+    monkeypatch.setenv(trial.TRIAL_ENV, settings.to_env())
+    hooks = trial.TrialHooks.from_environment()
+    assert hooks == trial.TrialHooks(spec_path="/jobs/search.yml", trial=settings)
+    env = hooks.worker_env()
     assert env == {trial.TRIAL_ENV: settings.to_env(), trial.SPEC_ENV: "/jobs/search.yml"}
     spec = ResourceSpec.from_dict({"nodes": [{"address": "10.0.0.1", "chief": True},
                                              {"address": "10.0.0.2", "ssh_config": "c"}],
@@ -210,4 +215,28 @@ def test_a_trials_workers_reached_over_ssh_get_its_settings_and_spec(monkeypatch
                                       ["train.py"], "/jobs")
     assert "AUTODIST_RESOURCE_SPEC=/jobs/search.yml" in command[-1]
     monkeypatch.delenv(trial.SPEC_ENV)
-    assert trial.worker_env(None) == {}
+    monkeypatch.delenv(trial.TRIAL_ENV)
+    assert trial.TrialHooks.from_environment() == trial.TrialHooks()
+    assert trial.TrialHooks().worker_env() == {}
+
+
+def test_trial_hooks_passed_to_autodist_capture_the_graph_and_end_the_job(tmp_path):
+    """No environment: the hooks are an argument, and the capture ends the process normally."""
+    import tensorflow as tf
+    from autodist import AutoDist
+    spec = tmp_path / "spec.yml"
+    spec.write_text("nodes:\n  - address: localhost\n    cpus: [0, 1]\n    chief: true\n")
+    hooks = trial.TrialHooks(capture=str(tmp_path / "captured.json"))
+    ad = AutoDist(str(tmp_path / "missing.yml"), trial_hooks=dataclasses.replace(
+        hooks, spec_path=str(spec)))
+    assert ad.resource_spec.source == str(spec)
+    with tf.Graph().as_default(), ad.scope():
+        weight = tf.Variable(tf.ones([3, 2]), name="w")
+        loss = tf.reduce_sum(tf.matmul(tf.ones([4, 3]), weight))
+        tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        with pytest.raises(trial.TrialFinished) as finished:
+            ad.create_distributed_session()
+    assert finished.value.code == 0
+    captured = json.loads((tmp_path / "captured.json").read_text())
+    assert [v["name"] for v in captured["variables"]] == ["w"]
+    assert captured["spec"] == str(spec)

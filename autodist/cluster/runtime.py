@@ -264,13 +264,13 @@ class ChiefCoordinator:
         worker_nodes = [a for a in ordered_nodes(spec) if a != spec.chief]
         self._server = StrategyServer(strategy, fingerprint, self._token, worker_nodes,
                                       heartbeat_timeout=heartbeat_timeout)
+        self._process_hooks = ProcessHooks()
 
     def start(self) -> None:
         """Serves the strategy and starts the script on every other node."""
         port = self._server.start()
         _at_exit(self.shutdown)
-        _stop_on_sigterm()
-        _exit_on_uncaught_error(self._stop_after_error)
+        self._process_hooks.install(self._stop_after_error, stop_on_sigterm=True)
         env = {CHIEF_ENV: self._spec.chief, SERVICE_PORT_ENV: str(port),
                TF_PORT_ENV: str(tf_port()), **self._worker_env}
         argv = [os.path.abspath(sys.argv[0]), *sys.argv[1:]]
@@ -328,6 +328,7 @@ class ChiefCoordinator:
                 except subprocess.TimeoutExpired:
                     break
         launcher.stop_all(workers)
+        self._process_hooks.restore()
 
     def stuck_nodes(self, chief_steps_done: int) -> list:
         """The nodes still in the step after the chief's ``chief_steps_done`` (chief first)."""
@@ -351,7 +352,8 @@ class WorkerAgent:
                                       token, role.address)
         self._client.start_heartbeat(on_chief_lost=_exit_orphaned, lost_after=CHIEF_LOST_S)
         _at_exit(self.close)
-        _exit_on_uncaught_error(self._report_error)
+        self._process_hooks = ProcessHooks()
+        self._process_hooks.install(self._report_error, stop_on_sigterm=False)
 
     def fetch_strategy(self, fingerprint: str):
         return self._client.fetch_strategy(fingerprint)
@@ -383,6 +385,7 @@ class WorkerAgent:
         except ServiceError:
             pass
         self._client.close()
+        self._process_hooks.restore()
 
 
 def _die_with_launcher() -> None:
@@ -400,30 +403,59 @@ def _die_with_launcher() -> None:
         os._exit(1)
 
 
-def _exit_on_uncaught_error(cleanup: Callable[[BaseException], None]) -> None:
-    """Ends the process right after an uncaught error is printed and ``cleanup`` ran.
+class ProcessHooks:
+    """The process-wide handlers a node of a cluster job installs, and their restoring.
 
-    Python would next free the error's frames, and with them the session; closing
-    a TensorFlow session whose step waits on a failed peer blocks for ever, holding
-    the GIL, so not even the heartbeat's orphan check could end the process.
+    * ``sys.excepthook``: the process ends right after an uncaught error is
+      printed and ``cleanup`` ran. Python would next free the error's frames,
+      and with them the session; closing a TensorFlow session whose step waits
+      on a failed peer blocks for ever, holding the GIL, so not even the
+      heartbeat's orphan check could end the process.
+    * SIGTERM (the chief's): raises :class:`Terminated`, so that it ends the
+      chief as an error does, stopping the workers at once, and the process
+      exits with status 128 + SIGTERM after saying so.
+
+    The node restores the previous handlers once its job is over.
     """
-    previous = sys.excepthook
 
-    def hook(kind, error, traceback):
-        if isinstance(error, Terminated):
-            sys.stderr.write(f"{error}\n")
-        else:
-            previous(kind, error, traceback)
-        try:
-            cleanup(error)
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
+    def __init__(self):
+        self._previous_excepthook = None
+        self._previous_sigterm = None
+
+    def install(self, cleanup: Callable[[BaseException], None], stop_on_sigterm: bool) -> None:
+        previous = self._previous_excepthook = sys.excepthook
+
+        def hook(kind, error, traceback):
             if isinstance(error, Terminated):
-                os._exit(128 + error.signum)
-            os._exit(130 if isinstance(error, KeyboardInterrupt) else 1)
+                sys.stderr.write(f"{error}\n")
+            else:
+                previous(kind, error, traceback)
+            try:
+                cleanup(error)
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                if isinstance(error, Terminated):
+                    os._exit(128 + error.signum)
+                os._exit(130 if isinstance(error, KeyboardInterrupt) else 1)
 
-    sys.excepthook = hook
+        sys.excepthook = hook
+        # Signal handlers can only be set from the main thread.
+        if stop_on_sigterm and threading.current_thread() is threading.main_thread():
+            self._previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated)
+
+    def restore(self) -> None:
+        """Puts back the handlers found at :meth:`install`; safe to call more than once."""
+        if self._previous_excepthook is not None:
+            sys.excepthook, self._previous_excepthook = self._previous_excepthook, None
+        if (self._previous_sigterm is not None
+                and threading.current_thread() is threading.main_thread()):
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated(signum)
 
 
 class Terminated(BaseException):
@@ -452,14 +484,3 @@ def _at_exit(callback) -> None:
     register = getattr(threading, "_register_atexit", atexit.register)
     register(callback)
 
-
-def _stop_on_sigterm() -> None:
-    """Makes SIGTERM end the chief as an error does: the workers are stopped at once.
-
-    The process then exits with status 128 + SIGTERM after saying so.
-    """
-    def terminate(signum, frame):
-        raise Terminated(signum)
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, terminate)

@@ -1,6 +1,8 @@
 """Trials: the user's own script, run for real under a candidate strategy, timed.
 
-The search drives the script through the environment:
+The search drives the script through the environment, which
+:meth:`TrialHooks.from_environment` reads (the one place that does); ``AutoDist``
+takes the hooks as an argument and asks them at each point a search changes:
 
 * capture (``AUTODIST_CAPTURE=path``): the script builds its graph as usual;
   ``create_distributed_session`` writes the trainable variables to ``path`` and
@@ -79,29 +81,65 @@ class TrialSettings:
     def to_env(self) -> str:
         return json.dumps(dataclasses.asdict(self))
 
-    @classmethod
-    def from_env(cls) -> Optional["TrialSettings"]:
-        raw = os.environ.get(TRIAL_ENV)
-        return cls(**json.loads(raw)) if raw else None
-
-
-def worker_env(settings: Optional[TrialSettings]) -> dict:
-    """What a trial's chief hands its workers: the trial and the spec the search runs on.
-
-    Passed explicitly, since a worker reached over ssh inherits no environment
-    and would otherwise run the script's own spec and builder.
-    """
-    env = {TRIAL_ENV: settings.to_env()} if settings else {}
-    if SPEC_ENV in os.environ:
-        env[SPEC_ENV] = os.environ[SPEC_ENV]
-    return env
-
 
 class TrialFinished(SystemExit):
-    """Ends a trial job's process normally once its steps are timed."""
+    """Ends a capture or trial job's process normally once its work is done."""
 
     def __init__(self):
         super().__init__(0)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrialHooks:
+    """What a strategy search changes in a job of the user's script; nothing when empty.
+
+    Attributes:
+        spec_path: the resource spec the search runs the script on, instead of its own.
+        capture: where a capture run writes the graph's variables, then ends.
+        trial: a trial run's settings: the strategy applied instead of the
+            script's builder, and the steps timed.
+    """
+
+    spec_path: Optional[str] = None
+    capture: Optional[str] = None
+    trial: Optional[TrialSettings] = None
+
+    @classmethod
+    def from_environment(cls) -> "TrialHooks":
+        """The hooks a search set for this process; empty outside a search."""
+        raw = os.environ.get(TRIAL_ENV)
+        return cls(spec_path=os.environ.get(SPEC_ENV) or None,
+                   capture=os.environ.get(CAPTURE_ENV) or None,
+                   trial=TrialSettings(**json.loads(raw)) if raw else None)
+
+    def resource_spec_file(self, script_spec: str) -> str:
+        return self.spec_path or script_spec
+
+    def before_session(self, variables: Sequence[VariableInfo], fingerprint: str,
+                       spec_path: str, is_chief: bool) -> None:
+        """In a capture run, the chief writes what the search needs of the graph and ends."""
+        if self.capture and is_chief:
+            write_capture(self.capture, variables, fingerprint, spec_path)
+            raise TrialFinished()
+
+    def strategy(self) -> Optional[Strategy]:
+        """The strategy a trial applies instead of the script's builder."""
+        return Strategy.load(self.trial.strategy) if self.trial else None
+
+    def worker_env(self) -> dict:
+        """What a trial's chief hands its workers: the trial and the spec the search runs on.
+
+        Passed explicitly, since a worker reached over ssh inherits no environment
+        and would otherwise run the script's own spec and builder.
+        """
+        env = {TRIAL_ENV: self.trial.to_env()} if self.trial else {}
+        if self.spec_path:
+            env[SPEC_ENV] = self.spec_path
+        return env
+
+    def step_timer(self, is_chief: bool) -> Optional["StepTimer"]:
+        """In a trial, what times the steps and then ends the job."""
+        return StepTimer(self.trial, is_chief) if self.trial else None
 
 
 class StepTimer:
