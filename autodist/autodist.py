@@ -12,7 +12,7 @@ from autodist.cluster import runtime
 from autodist.graph_item import GraphItem
 from autodist.keras.fit import distribute_fit
 from autodist.keras.function import DistributedFunction
-from autodist.kernels.context import KernelContext
+from autodist.kernel_context import KernelContext
 from autodist.kernels.transformer import transform
 from autodist.resource_spec import DeviceSpec, ResourceSpec
 from autodist.session import DistributedSession
@@ -241,7 +241,7 @@ class AutoDist:
     def _kernel_context(self, item: GraphItem, compiled: CompiledStrategy,
                         tf_devices: dict) -> KernelContext:
         spec, role, strategy = self._resource_spec, self._role, compiled.strategy
-        kinds = {part.is_ps for variable in compiled.variables.values()
+        kinds = {part.kind for variable in compiled.variables.values()
                  for part in variable.parts if variable.info.has_grad}
         local = tuple(r for r in strategy.replicas
                       if DeviceSpec.from_string(r).host_address == role.address)
@@ -251,7 +251,8 @@ class AutoDist:
                              chief_device=tf_devices[cpu[spec.chief]],
                              node_index=role.task_index, num_nodes=len(spec.nodes),
                              group_size=len(strategy.replicas),
-                             has_ps=True in kinds, has_all_reduce=False in kinds,
+                             has_collectives=any(kind.collective for kind in kinds),
+                             has_remote_ops=any(kind.remote_ops for kind in kinds),
                              state_per_node=item.state_per_node)
 
     def _config(self, user_config) -> tf.compat.v1.ConfigProto:

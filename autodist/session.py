@@ -178,7 +178,7 @@ class DistributedSession:
         started = time.monotonic()
         result = self._watched(self._session.run, mapped, feed_dict=feeds, options=options,
                                run_metadata=run_metadata, stuck_after=bound)
-        second = self._distributed.ps_step_op
+        second = self._distributed.remote_step_op
         if second is not None and trained:
             left = None if bound is None else max(0.0, bound - (time.monotonic() - started))
             self._watched(self._session.run, second, stuck_after=left)

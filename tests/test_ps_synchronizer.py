@@ -7,8 +7,8 @@ import tensorflow as tf
 import models
 from autodist import _tf_compat
 from autodist.graph_item import GraphItem
-from autodist.kernels.context import KernelContext
-from autodist.kernels.ps_synchronizer import node_contribution
+from autodist.kernel_context import KernelContext
+from autodist.synchronizers.ps import node_contribution
 from autodist.kernels.transformer import transform
 from autodist.resource_spec import ResourceSpec
 from autodist.strategy import common
@@ -21,7 +21,7 @@ DEVICES = {"10.0.0.1:CPU:0": CHIEF, "10.0.0.2:CPU:0": WORKER,
 # The worker's view of a cluster: the chief with one replica, the worker with two.
 WORKER_CONTEXT = KernelContext(replica_devices=("10.0.0.2:CPU:0", "10.0.0.2:CPU:1"),
                                tf_devices=DEVICES, shared_device=WORKER, chief_device=CHIEF,
-                               node_index=1, num_nodes=2, group_size=3, has_ps=True)
+                               node_index=1, num_nodes=2, group_size=3, has_remote_ops=True)
 
 
 def _contribution(transfer_destination: str) -> tf.Tensor:
@@ -49,7 +49,7 @@ def test_with_a_transfer_destination_each_node_sums_on_its_own_cpu(named):
 # the pulls of parts updated first overlap the pushes of the others.
 CHIEF_CONTEXT = KernelContext(replica_devices=("10.0.0.1:CPU:0",), tf_devices=DEVICES,
                               shared_device=CHIEF, chief_device=CHIEF, node_index=0,
-                              num_nodes=2, group_size=3, has_ps=True)
+                              num_nodes=2, group_size=3, has_remote_ops=True)
 SPEC = {"nodes": [{"address": "10.0.0.1", "cpus": [0], "chief": True},
                   {"address": "10.0.0.2", "cpus": [0, 1]}]}
 
@@ -129,7 +129,7 @@ def test_the_chief_refreshes_each_proxy_after_its_own_update_only():
 def test_in_a_split_step_each_update_waits_for_its_own_gradients_only():
     # PS and AllReduce on a cluster split the step; the PS run's updates must not
     # wait for every push, or no proxy refresh could overlap a push.
-    graph, _ = _transformed(dataclasses.replace(CHIEF_CONTEXT, has_all_reduce=True),
+    graph, _ = _transformed(dataclasses.replace(CHIEF_CONTEXT, has_collectives=True),
                             all_reduced=("b1",))
     updates = {op.inputs[0].op.name: op for op in graph.get_operations()
                if op.type == "ResourceApplyGradientDescent"}

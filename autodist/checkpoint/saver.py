@@ -19,7 +19,7 @@ import tensorflow as tf
 from autodist import _tf_compat
 from autodist.kernels.locations import Locator
 from autodist.checkpoint.single_device import single_device_copy
-from autodist.kernels.ps_synchronizer import token_queue
+from autodist.synchronizers.base import token_queue
 from autodist.session import DistributedSession, as_tf_variable
 
 RESTORE_TIMEOUT_S = 300.0

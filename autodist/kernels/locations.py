@@ -74,19 +74,13 @@ class Locator:
         return None
 
     def _trainable(self, storage: VariableStorage) -> Location:
-        parts = []
-        for part in storage.parts:
-            targets = _unique(part.copies + part.readers)
-            if part.part.is_ps and not self._distributed.ctx.is_chief:
-                targets = [t for t in targets if t is not part.copies[0]]
-            parts.append(targets)
+        parts = [part.synchronizer.restore_targets(part) for part in storage.parts]
         return Location(storage.full_value, parts, storage.compiled.plan)
 
     def _slot(self, storage: VariableStorage, slot_name: str) -> Location:
         parts, firsts = [], []
         for part in storage.parts:
-            copies = part.copies[:1] if part.part.is_ps else part.copies
-            slots = [self._slot_variable(copy, slot_name) for copy in copies]
+            slots = [self._slot_variable(copy, slot_name) for copy in part.copies]
             firsts.append(slots[0])
             parts.append([s for s in slots if s is not None])
         def value():
@@ -112,11 +106,3 @@ class Locator:
         value = copies[0].read_value if copies else None
         return Location(value, [copies])
 
-
-def _unique(variables: list) -> list:
-    seen, result = set(), []
-    for variable in variables:
-        if id(variable) not in seen:
-            seen.add(id(variable))
-            result.append(variable)
-    return result

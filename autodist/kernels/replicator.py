@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from autodist import _tf_compat
 from autodist.graph_item import GraphItem, op_name, tensor_name
-from autodist.kernels.context import KernelContext, replica_scope
+from autodist.kernel_context import KernelContext, replica_scope
 
 _PLACEMENT_ATTRS = ("_class",)
 _VARIABLE_OPS = ("VarHandleOp",)

@@ -3,16 +3,19 @@
 The stages, each owned by one kernel module:
 
 1. replicator.import_shared      inputs, non-trainable variables, initial values
-2. storage (partitioner + synchronizers)
-                                 each variable part placed per its synchronizer;
+2. storage (partitioner + synchronizer kinds)
+                                 each variable part stored as its kind says;
                                  partitioned variables re-stitched per replica
 3. replicator.replicate          the model once per local replica; state the
                                  forward pass assigns merged into one write
-4. synchronizers                 gradients weighted by each replica's rows, cut
-                                 per part, then PS-averaged or all-reduced
-                                 (grouped, compressed)
+4. synchronizer kinds            gradients weighted by each replica's rows, cut
+                                 per part, then reduced by each part's kind
 5. update                        the graph's optimizer update (``item.optimizer_call``)
-                                 recreated for every stored copy; proxies refreshed
+                                 recreated for every stored copy; then each
+                                 kind's end-of-step work
+
+The kinds (``autodist/synchronizers/``) own everything that differs between
+them; this module only routes parts to them.
 """
 from __future__ import annotations
 
@@ -24,24 +27,11 @@ import tensorflow as tf
 
 from autodist import _tf_compat
 from autodist.graph_item import GraphItem, PartUpdate
+from autodist.kernel_context import KernelContext, replica_scope
 from autodist.kernels import partitioner, replicator
-from autodist.kernels.all_reduce_synchronizer import (
-    CollectiveKeys, all_reduce_group, create_all_reduce_storage)
-from autodist.kernels.context import KernelContext, replica_scope
-from autodist.kernels.ps_synchronizer import (
-    accumulate_across_nodes, create_ps_storage, node_contribution, reduce_ps_gradients,
-    refresh_proxies, stash, token_queue)
 from autodist.strategy.compiler import CompiledStrategy, CompiledVariable
-
-
-@dataclasses.dataclass
-class PartStorage:
-    """Where one variable part lives: its stored copies and what each replica reads."""
-
-    part: object            # compiler.VariablePart
-    copies: list            # PS: [shared]; AllReduce: [this node's copy]
-    readers: list           # per replica
-    origin: Optional[tf.Variable] = None  # AllReduce on a cluster: the chief's initial value
+from autodist.synchronizers import KINDS
+from autodist.synchronizers.base import CollectiveKeys, Member, PartStorage, Reduced
 
 
 @dataclasses.dataclass
@@ -89,7 +79,7 @@ class DistributedGraph:
     shared_variables: dict = dataclasses.field(default_factory=dict)  # name -> non-trainable
     optimizers: list = dataclasses.field(default_factory=list)  # updates' optimizer copies
     train_op: Optional[tf.Operation] = None
-    ps_step_op: Optional[tf.Operation] = None  # a split step's second run, after train_op's
+    remote_step_op: Optional[tf.Operation] = None  # a split step's second run, after train_op's
     init_ops: tuple = ()
     chief_uninitialized: Optional[tf.Tensor] = None
 
@@ -114,51 +104,42 @@ def transform(item: GraphItem, compiled: CompiledStrategy, ctx: KernelContext) -
     """
     result = DistributedGraph(graph=tf.Graph(), item=item, ctx=ctx, storage={})
     deferred = []
+    keys = CollectiveKeys()
+    synchronizers = {field: kind(ctx, keys) for field, kind in KINDS.items()}
     with result.graph.as_default():
         replicator.import_shared(item, ctx, deferred)
         result.shared_variables = shared_variables = _register_shared_variables(item)
         for name, variable in compiled.variables.items():
-            result.storage[name] = _create_storage(item, variable, ctx)
+            result.storage[name] = _create_storage(item, variable, ctx, synchronizers)
         state_writes = replicator.replicate(
             item, ctx, {n: s.handles for n, s in result.storage.items()}, deferred)
-        sync = _synchronize(result)
-        result.train_op, result.ps_step_op = _apply_updates(item, sync, shared_variables, ctx,
-                                                            result.optimizers)
+        reduced = _synchronize(result, synchronizers)
+        result.train_op, result.remote_step_op = _apply_updates(
+            item, reduced, list(synchronizers.values()), shared_variables, ctx,
+            result.optimizers)
         if state_writes:
             result.train_op = tf.group(result.train_op, *state_writes,
                                        name="autodist_train_op_and_state")
         _reconnect(result, deferred)
-        _plan_initialization(result, list(shared_variables.values()), sync)
+        _plan_initialization(result, list(shared_variables.values()),
+                             list(synchronizers.values()))
     return result
 
 
 def _plan_initialization(result: DistributedGraph, shared_variables: list,
-                         sync: _Synchronized) -> None:
+                         synchronizers: list) -> None:
     ctx = result.ctx
     everything = (tf.compat.v1.global_variables() + tf.compat.v1.local_variables())
     derived = set()
     chief_owned = set(shared_variables) if ctx.shared_variables_on_chief else set()
     for storage in result.storage.values():
         for part in storage.parts:
-            if part.origin is not None:
-                chief_owned.add(part.origin)
-                derived.update(part.copies)
-            if part.part.is_ps:
-                chief_owned.add(part.copies[0])
-                if ctx.multi_node:
-                    derived.update(r for r in part.readers if r is not part.copies[0])
-    # The optimizer's slots of the shared PS variables exist only in the chief's graph.
+            owned, copies = part.synchronizer.initialization(part)
+            chief_owned.update(owned)
+            derived.update(copies)
+    # What the chief owns (a PS variable and its slots) exists in its graph alone.
     first = [v for v in everything if v not in derived and (ctx.is_chief or v not in chief_owned)]
-    prefill = []
-    if ctx.is_chief and ctx.multi_node:
-        # Bounded staleness across nodes: workers may run `staleness` steps ahead,
-        # and read each part at most its own staleness bound behind.
-        workers = range(1, ctx.num_nodes)
-        queues = [(token_queue(w, ctx), sync.staleness) for w in workers if sync.staleness]
-        queues += [(_part_token_queue(p, w, ctx), p.part.synchronizer.staleness)
-                   for p in sync.proxy_parts if p.part.synchronizer.staleness for w in workers]
-        prefill = [queue.enqueue_many([tf.zeros([staleness], tf.int64)])
-                   for queue, staleness in queues]
+    prefill = [op for synchronizer in synchronizers for op in synchronizer.chief_init_ops()]
     result.init_ops = (tf.group(tf.compat.v1.variables_initializer(first), *prefill,
                                 name="autodist_init"),
                        tf.compat.v1.variables_initializer([v for v in everything if v in derived],
@@ -168,20 +149,14 @@ def _plan_initialization(result: DistributedGraph, shared_variables: list,
             sorted(chief_owned, key=lambda v: v.name))
 
 
-def _create_storage(item: GraphItem, variable: CompiledVariable,
-                    ctx: KernelContext) -> VariableStorage:
+def _create_storage(item: GraphItem, variable: CompiledVariable, ctx: KernelContext,
+                    synchronizers: dict) -> VariableStorage:
     graph = tf.compat.v1.get_default_graph()
     initial_value = graph.get_tensor_by_name(item.variables[variable.info.name].initial_value.name)
     values = ([initial_value] if variable.plan is None
               else partitioner.split_value(initial_value, variable.plan))
-    parts = []
-    for part, value in zip(variable.parts, values):
-        if part.is_ps:
-            shared, readers = create_ps_storage(part.name, value, part.synchronizer, ctx)
-            parts.append(PartStorage(part, [shared], readers))
-        else:
-            copy, origin = create_all_reduce_storage(part.name, value, ctx)
-            parts.append(PartStorage(part, [copy], [copy] * ctx.num_replicas, origin))
+    parts = [synchronizers[part.kind.field].create_storage(part, value)
+             for part, value in zip(variable.parts, values)]
     if variable.plan is None:
         handles = [reader.handle for reader in parts[0].readers]
     else:
@@ -207,24 +182,10 @@ def _stitched_handle(variable: CompiledVariable, parts: list, replica: int,
             return tf.identity(stitched.handle)
 
 
-@dataclasses.dataclass
-class _Synchronized:
-    """What the synchronizers produced for the update stage."""
-
-    ps_updates: list = dataclasses.field(default_factory=list)   # PartUpdate of shared copies
-    ar_updates: list = dataclasses.field(default_factory=list)   # PartUpdate of node's copies
-    collectives: list = dataclasses.field(default_factory=list)  # other replicas' collectives
-    proxy_parts: list = dataclasses.field(default_factory=list)  # PS parts read through proxies
-    sent: list = dataclasses.field(default_factory=list)     # ops sending gradients to PS nodes
-    stashed: list = dataclasses.field(default_factory=list)  # split step: ops keeping them
-    staleness: int = 0     # largest staleness bound among PS parts
-
-
-def _synchronize(result: DistributedGraph) -> _Synchronized:
-    """Cuts gradients per part and reduces them per each part's synchronizer."""
+def _synchronize(result: DistributedGraph, synchronizers: dict) -> Reduced:
+    """Cuts gradients per part and has each part's kind reduce them."""
     item, ctx = result.item, result.ctx
-    out = _Synchronized()
-    groups = {}
+    members = {field: [] for field in synchronizers}
     weights = replicator.row_weights(item, ctx)
     for name, storage in result.storage.items():
         ref = item.gradients.get(name)
@@ -243,32 +204,14 @@ def _synchronize(result: DistributedGraph) -> _Synchronized:
         else:
             per_part = [per_replica]
         for part_storage, grads in zip(storage.parts, per_part):
-            part, sync = part_storage.part, part_storage.part.synchronizer
             update = functools.partial(_part_update, part_storage, name, plan)
-            if not part.is_ps:
-                groups.setdefault(sync.group, []).append((part_storage, grads, update))
-                continue
-            out.staleness = max(out.staleness, sync.staleness)
-            if part_storage.readers[0] is not part_storage.copies[0]:
-                out.proxy_parts.append(part_storage)
-            if not ctx.multi_node:
-                out.ps_updates.append(update(reduce_ps_gradients(grads, sync, ctx)))
-                continue
-            contribution = node_contribution(grads, sync, ctx)
-            if ctx.split_step:
-                store, contribution = stash(part.name, contribution, ctx)
-                out.stashed.append(store)
-            sent, mean = accumulate_across_nodes(part.name, contribution, part.shape, sync, ctx)
-            out.sent.append(sent)
-            if mean is not None:
-                out.ps_updates.append(update(mean))
-    keys = CollectiveKeys()
-    for group in sorted(groups):
-        members = groups[group]
-        means, others = all_reduce_group(
-            [(p.part.name, p.part.synchronizer, g) for p, g, _ in members], keys, ctx)
-        out.ar_updates.extend(update(mean) for (_, _, update), mean in zip(members, means))
-        out.collectives.extend(others)
+            members[part_storage.part.kind.field].append(Member(part_storage, grads, update))
+    out = Reduced()
+    for field, synchronizer in synchronizers.items():  # in the registry's order, on every node
+        if members[field]:
+            reduced = synchronizer.synchronize(members[field])
+            for attribute in ("local_ops", "local_updates", "remote_ops", "remote_updates"):
+                getattr(out, attribute).extend(getattr(reduced, attribute))
     return out
 
 
@@ -309,15 +252,13 @@ def _register_shared_variables(item: GraphItem) -> dict:
     return variables
 
 
-def _apply_updates(item: GraphItem, sync: _Synchronized, shared_variables: dict,
-                   ctx: KernelContext, optimizers: list) -> tuple:
-    """Runs the user's optimizer on this node's copies, keeps nodes in step, refreshes proxies.
+def _apply_updates(item: GraphItem, reduced: Reduced, synchronizers: list,
+                   shared_variables: dict, ctx: KernelContext, optimizers: list) -> tuple:
+    """Runs the user's optimizer on this node's copies, then each kind's end of the step.
 
-    On a cluster the chief alone updates the PS variables, then hands every
-    worker a token; a worker waits for its token before its step ends, so its
-    next step reads the updated values. A split step does the local part (the
-    collectives, the AllReduce updates, stashing PS gradients) in its first run
-    and the PS traffic in its second.
+    A split step does the local part (the collectives, their updates, stashing
+    gradients for other nodes) in its first run and the traffic to other nodes'
+    devices in its second.
 
     Args:
         optimizers: receives every optimizer copy applying updates (their slots
@@ -348,68 +289,25 @@ def _apply_updates(item: GraphItem, sync: _Synchronized, shared_variables: dict,
         updated.update((u.variable.name, op) for u, op in zip(updates, per_variable))
         return op
 
+    def end_step(steps, name):
+        for synchronizer in synchronizers:
+            steps = synchronizer.end_step(steps, updated)
+        return tf.group(*steps, name=name)
+
     # One global step on the chief, or one per node counting in step with the others.
     counts_step = ctx.is_chief or not ctx.shared_variables_on_chief
     if not ctx.split_step:
-        updates = sync.ps_updates + sync.ar_updates
-        steps = list(sync.sent) + sync.collectives + (
+        updates = reduced.remote_updates + reduced.local_updates
+        steps = reduced.remote_ops + reduced.local_ops + (
             [apply(updates, counts_step)] if updates else [])
-        return _end_step(steps, sync, ctx, updated, "autodist_train_op"), None
-    local = [apply(sync.ar_updates, counts_step)] if sync.ar_updates else []
-    first = tf.group(*sync.stashed, *sync.collectives, *local, name="autodist_train_op")
-    # Each part's update waits for its own accumulated gradient only, so that its
-    # proxies' refresh overlaps the pushes of the parts still arriving.
-    steps = list(sync.sent) + ([apply(sync.ps_updates, False)] if sync.ps_updates else [])
-    return first, _end_step(steps, sync, ctx, updated, "autodist_ps_step")
-
-
-def _end_step(steps: list, sync: _Synchronized, ctx: KernelContext, updated: dict,
-              name: str) -> tf.Operation:
-    """After ``steps``: the chief's tokens to the workers (or a worker's wait), proxy refresh.
-
-    Each proxy is refreshed as soon as its own part is updated (a worker learns
-    of it through a token of that part): on a cluster, pulls of the parts
-    updated first then overlap the pushes of the others.
-
-    Args:
-        updated: variable name -> the op updating it, for the updates this node applies.
-    """
-    if ctx.multi_node and (sync.sent or sync.proxy_parts):
-        with tf.control_dependencies(steps):
-            if ctx.is_chief:
-                steps = [token_queue(w, ctx).enqueue(tf.constant(0, tf.int64))
-                         for w in range(1, ctx.num_nodes)]
-            else:
-                steps = [token_queue(ctx.node_index, ctx).dequeue()]
-    if not sync.proxy_parts:
-        return tf.group(*steps, name=name)
-    with tf.device(ctx.shared_device):
-        counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="autodist_step")
-        step = counter.assign_add(1)
-    refreshes, told = [], []
-    for part in sync.proxy_parts:
-        shared = part.copies[0]
-        if shared.name in updated:  # this node updates the part, and tells the workers
-            gate = [updated[shared.name]]
-            with tf.control_dependencies(gate):
-                told += [_part_token_queue(part, w, ctx).enqueue(tf.constant(0, tf.int64))
-                         for w in range(1, ctx.num_nodes)]
-        else:
-            gate = [_part_token_queue(part, ctx.node_index, ctx).dequeue()]
-        with tf.control_dependencies(gate):
-            refreshes.append(refresh_proxies(shared, part.readers,
-                                             part.part.synchronizer.staleness, step))
-    return tf.group(*steps, *told, *refreshes, name=name)
-
-
-def _part_token_queue(part: PartStorage, worker: int, ctx: KernelContext) -> tf.queue.FIFOQueue:
-    """The queue telling worker ``worker`` that ``part`` is updated, beside the part.
-
-    On the part's own device, a worker's wait and its read of the new value run
-    there together, without a round trip of their own.
-    """
-    return token_queue(worker, ctx, f"updated_{part.part.name}",
-                       device=ctx.tf_device(part.part.synchronizer.reduction_destination))
+        return end_step(steps, "autodist_train_op"), None
+    local = [apply(reduced.local_updates, counts_step)] if reduced.local_updates else []
+    first = tf.group(*reduced.local_ops, *local, name="autodist_train_op")
+    # Each part's update waits for its own gradient only, so that its proxies'
+    # refresh overlaps the pushes of the parts still arriving.
+    steps = reduced.remote_ops + (
+        [apply(reduced.remote_updates, False)] if reduced.remote_updates else [])
+    return first, end_step(steps, "autodist_remote_step")
 
 
 def _reconnect(result: DistributedGraph, deferred: list) -> None:

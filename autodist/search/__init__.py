@@ -4,14 +4,17 @@
 user's script under a candidate, ``builder`` puts them together as a builder
 (:class:`AutoStrategy`), ``commands`` are the ``autodist search`` command line.
 """
-from autodist.search.sampler import SamplerConstraints, StrategySampler, sample, sample_many
+import importlib
 
 __all__ = ["AutoStrategy", "SamplerConstraints", "StrategySampler", "sample", "sample_many"]
 
+_HOMES = {"AutoStrategy": "builder", "SamplerConstraints": "sampler",
+          "StrategySampler": "sampler", "sample": "sampler", "sample_many": "sampler"}
+
 
 def __getattr__(name: str):
-    # AutoStrategy brings the learned simulator (Keras); load it only when asked for.
-    if name == "AutoStrategy":
-        from autodist.search.builder import AutoStrategy
-        return AutoStrategy
+    # Loaded when asked for: the command line starts without TensorFlow, which the
+    # sampler's synchronizer kinds and AutoStrategy's learned simulator bring.
+    if name in _HOMES:
+        return getattr(importlib.import_module(f"autodist.search.{_HOMES[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

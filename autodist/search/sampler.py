@@ -1,41 +1,36 @@
 """A guided random sampler of per-variable strategies, for AutoStrategy's search.
 
-A sample is drawn in two levels. First a few strategy-wide knobs: the share of
-dense and of sparse-gradient variables sent to parameter servers, the share of
-optional partitions, the shares of dense and of sparse PS variables with a
-local proxy (a sparse one copies its whole table), the share whose nodes sum
-their replicas' gradients before the push (on a cluster with a node of
-several replicas), which PS devices serve, how many AllReduce groups
-there are and, when allowed, the staleness bound and the share of
-fp16-compressed groups. Then every variable draws its own choices from those
-shares. Drawing the shares first spreads the samples from all-AllReduce to
-all-PS strategies instead of piling them up around an even mix, which
-independent per-variable coin flips would do; and each share is 0 or 1 a
-quarter of the time each, since with hundreds of variables a share drawn
-uniformly almost never makes all of them choose alike, and such pure choices
-(every dense variable on PS, each behind a proxy) are often the fastest.
+A sample is drawn in two levels. First a few strategy-wide knobs: per
+synchronizer kind the share of dense and of sparse-gradient variables it gets,
+the share of optional partitions, and each kind's own knobs (for PS: which
+devices serve, the shares with a local proxy or whose nodes sum their
+replicas' gradients first, a staleness bound; for AllReduce: how many groups,
+the share of fp16-compressed groups). Then every variable draws its own choices
+from those shares. Drawing the shares first spreads the samples from pure
+strategies of one kind to the others instead of piling them up around an even
+mix, which independent per-variable coin flips would do; and each share is 0
+or 1 a quarter of the time each (:func:`draw_share`), since with hundreds of
+variables a share drawn uniformly almost never makes all of them choose alike,
+and such pure choices (every dense variable on PS, each behind a proxy) are
+often the fastest.
 
-The structure is never random where a rule does better: PS variables and shards
-are placed with :func:`common.balanced_placement`, and AllReduce units are
-spread over the chosen number of groups the same way, so servers and groups
-carry balanced bytes.
+The structure is never random where a rule does better: each kind places or
+groups its units with :func:`common.balanced_placement` (PS servers, AllReduce
+groups), so servers and groups carry balanced bytes.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import hashlib
-import math
 import random
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
-import numpy as np
-
 from autodist import partition
-from autodist.kernels.compressor import LOSSY as LOSSY_COMPRESSORS
 from autodist.strategy import common
 from autodist.strategy.all_reduce_builders import no_grad_node_config
 from autodist.strategy.base import Strategy
+from autodist.synchronizers import KINDS
+from autodist.synchronizers.base import draw_share
 
 Node = common.Node
 
@@ -95,33 +90,18 @@ class _Plan(NamedTuple):
     partitioner: str     # "" when not partitioned
     names: List[str]
     sizes: List[int]
-    is_ps: bool
-    proxy: bool
-    aggregate: bool      # PS: each node sums its replicas' gradients before the push
+    kind: str            # the synchronizer oneof field
+    choices: Any         # the kind's own per-variable choices
 
 
 @dataclasses.dataclass(frozen=True)
 class _Knobs:
     """The strategy-wide shares one sample draws first."""
 
-    dense_ps_share: float
-    sparse_ps_share: float
+    dense_shares: Tuple[float, ...]   # per kind, in the registry's order
+    sparse_shares: Tuple[float, ...]
     partition_share: float
-    dense_proxy_share: float
-    sparse_proxy_share: float
-    aggregate_share: float
-    fp16_share: float
-    staleness: int
-    servers: tuple
-    groups: int
-
-
-def _draw_share(rng: random.Random) -> float:
-    """A share in [0, 1]: 0 or 1 a quarter of the time each, else uniform."""
-    draw = rng.random()
-    if draw < 0.5:
-        return float(draw >= 0.25)
-    return rng.random()
+    of_kind: Dict[str, Any]           # oneof field -> the kind's own knobs
 
 
 class StrategySampler:
@@ -129,7 +109,9 @@ class StrategySampler:
 
     Every sample compiles (``compile_strategy``) against the same graph and
     cluster. Samples depend only on the generator's state, and the strategy id
-    is a digest of the content, so equal strategies have equal ids.
+    is a digest of the content, so equal strategies have equal ids. Each
+    synchronizer kind makes its own choices (``SynchronizerKind.sampling``);
+    this class draws the cuts and which kind each variable gets.
 
     Args:
         item_or_variables: a ``GraphItem`` (its ``trainable_variables``) or a
@@ -144,27 +126,20 @@ class StrategySampler:
         self._variables = list(variables)
         self._spec = resource_spec
         self._constraints = constraints
-        self._ps_devices = common.ps_device_names(resource_spec)
         self._sizes = {v.name: v.size_bytes for v in self._variables}
         # Axes that can take the fewest parts, per variable; empty when none can.
         fewest = constraints.min_partitions
         self._axes = {v.name: [a for a, d in enumerate(v.shape) if int(d) >= fewest]
                       for v in self._variables}
-        self._pinned_bytes = sum(v.size_bytes for v in self._variables if not v.has_grad)
-        # Summing a node's replicas first only changes something on a cluster with
-        # a node of several replicas.
-        per_node = collections.Counter(d.host_address for d in resource_spec.replica_devices)
-        self._can_aggregate = len(per_node) > 1 and max(per_node.values()) > 1
-        # An upper bound of the all-reduced units, the most groups that can be useful.
-        self._most_units = sum(
-            constraints.max_partitions if v.size_bytes > constraints.partition_threshold_bytes
-            else 1 for v in self._variables if v.has_grad)
         self._cuts: Dict[Tuple[str, int, int], Tuple[str, List[str], List[int]]] = {}
-        # Node configs are copied from templates: protobuf field setters cost more
-        # than one CopyFrom, and configs are built in place in the strategy, since
-        # appending a finished message would copy it again.
-        self._ps_templates: Dict[Tuple[str, bool, bool, int], Node] = {}
-        self._no_grad_configs = {v.name: no_grad_node_config(v, self._ps_devices)
+        self._kinds = {field: kind.sampling(self._variables, resource_spec, constraints)
+                       for field, kind in KINDS.items()}
+        self._fields = list(self._kinds)
+        # Per variable, the kinds it may get, as indices into the registry's order.
+        self._allowed = {v.name: [i for i, sampling in enumerate(self._kinds.values())
+                                  if sampling.allowed(v)] for v in self._variables}
+        ps_devices = common.ps_device_names(resource_spec)
+        self._no_grad_configs = {v.name: no_grad_node_config(v, ps_devices)
                                  for v in self._variables if not v.has_grad}
 
     @property
@@ -184,15 +159,27 @@ class StrategySampler:
         rng = random.Random(rng) if isinstance(rng, int) else rng
         knobs = self._draw_knobs(rng)
         plans = [self._plan_variable(var, knobs, rng) for var in self._variables]
-        placement = self._place_ps_units(plans, knobs)
-        groups, templates = self._group_ar_units(plans, knobs, rng)
+        configs: Dict[str, Node] = {}  # unit name -> the config it copies
+        for field, sampling in self._kinds.items():
+            units = [(var, plan) for var, plan in zip(self._variables, plans)
+                     if plan is not None and plan.kind == field]
+            if units:
+                configs.update(sampling.configs(units, knobs.of_kind[field], rng))
         strategy = common.new_strategy(self._spec)
-        configs = strategy.node_config
+        nodes = strategy.node_config
         for var, plan in zip(self._variables, plans):
             if plan is None:
-                configs.append(self._no_grad_configs[var.name])
-            else:
-                self._add_node_config(configs, var, plan, placement, groups, templates, knobs)
+                nodes.append(self._no_grad_configs[var.name])
+                continue
+            # Configs are built in place in the strategy, since appending a
+            # finished message would copy it again; the partitioned_node_config
+            # layout: the top node holds the partitioner only.
+            add = (nodes.add(var_name=var.name, partitioner=plan.partitioner).part_config.add
+                   if plan.partitioner else nodes.add)
+            for name in plan.names:
+                node = add()
+                node.CopyFrom(configs[name])
+                node.var_name = name
         strategy.proto.id = ""
         digest = hashlib.sha1(strategy.proto.SerializeToString(deterministic=True)).hexdigest()
         strategy.proto.id = f"sampled-{digest[:16]}"
@@ -211,25 +198,12 @@ class StrategySampler:
     # ------------------------------------------------------------------ the draws
 
     def _draw_knobs(self, rng: random.Random) -> _Knobs:
-        c = self._constraints
-        num_servers = rng.randint(1, len(self._ps_devices))
-        chosen = set(rng.sample(self._ps_devices, num_servers))
-        servers = tuple(d for d in self._ps_devices if d in chosen)  # keep the chief first
-        # Log-uniform over 1..most: a uniform draw over hundreds of counts would
-        # almost never merge into a few large groups, often the fastest choice.
-        most = max(1, min(c.max_groups or self._most_units, self._most_units))
-        groups = min(most, int(math.exp(rng.uniform(0.0, math.log(most + 1)))))
+        kinds = range(len(self._kinds))
         return _Knobs(
-            dense_ps_share=_draw_share(rng),
-            sparse_ps_share=_draw_share(rng) if c.sparse_all_reduce else 1.0,
-            partition_share=_draw_share(rng),
-            dense_proxy_share=_draw_share(rng),
-            sparse_proxy_share=_draw_share(rng),
-            aggregate_share=_draw_share(rng) if self._can_aggregate else 0.0,
-            fp16_share=_draw_share(rng) if c.allow_fp16 else 0.0,
-            staleness=rng.randint(0, c.max_staleness) if c.max_staleness else 0,
-            servers=servers,
-            groups=max(1, groups))
+            dense_shares=tuple(draw_share(rng) for _ in kinds),
+            sparse_shares=tuple(draw_share(rng) for _ in kinds),
+            partition_share=draw_share(rng),
+            of_kind={field: sampling.draw_knobs(rng) for field, sampling in self._kinds.items()})
 
     def _plan_variable(self, var, knobs: _Knobs, rng: random.Random) -> Optional[_Plan]:
         """Decides the cut and synchronizer of one variable; None without a gradient."""
@@ -244,93 +218,31 @@ class StrategySampler:
         if split:
             axis = axes[0] if len(axes) == 1 else rng.choice(axes)
             num_parts = rng.randint(c.min_partitions, min(c.max_partitions, int(var.shape[axis])))
-        share = knobs.sparse_ps_share if var.sparse_grad else knobs.dense_ps_share
-        is_ps = rng.random() < share
-        proxy = is_ps and rng.random() < (knobs.sparse_proxy_share if var.sparse_grad
-                                          else knobs.dense_proxy_share)
-        aggregate = is_ps and rng.random() < knobs.aggregate_share
+        field = self._draw_kind(var, knobs, rng)
+        choices = self._kinds[field].plan(var, knobs.of_kind[field], rng)
         if num_parts == 1:
-            return _Plan("", [var.name], [size], is_ps, proxy, aggregate)
+            return _Plan("", [var.name], [size], field, choices)
         key = (var.name, axis, num_parts)
         if key not in self._cuts:
             self._cuts[key] = (partition.partitioner_string(num_parts, axis, len(var.shape)),
                                [partition.part_name(var.name, i) for i in range(num_parts)],
                                common.part_sizes_bytes(var, axis, num_parts))
-        return _Plan(*self._cuts[key], is_ps, proxy, aggregate)
+        return _Plan(*self._cuts[key], field, choices)
 
-    def _place_ps_units(self, plans, knobs: _Knobs) -> Dict[str, str]:
-        items = [(name, size) for plan in plans if plan is not None and plan.is_ps
-                 for name, size in zip(plan.names, plan.sizes)]
-        if not items:
-            return {}
-        # Variables without a gradient sit on the chief's CPU: count them when it serves.
-        pinned = ({self._ps_devices[0]: self._pinned_bytes}
-                  if self._ps_devices[0] in knobs.servers else None)
-        return common.balanced_placement(items, knobs.servers, pinned)[0]
-
-    def _group_ar_units(self, plans, knobs: _Knobs, rng: random.Random):
-        """Returns (unit name -> group, group -> AR node config with its compressor).
-
-        A group's gradients are concatenated into one buffer, so groups never
-        mix dtypes. Sparse units are gathered one by one whatever their group;
-        they join group 0. A group's compressor is drawn once for all its units.
-        """
-        by_dtype: Dict[str, List] = {}
-        sparse_units: List[str] = []
-        for var, plan in zip(self._variables, plans):
-            if plan is None or plan.is_ps:
-                continue
-            if var.sparse_grad:
-                sparse_units.extend(plan.names)
-            else:
-                by_dtype.setdefault(var.dtype, []).extend(zip(plan.names, plan.sizes))
-        groups: Dict[str, int] = {name: 0 for name in sparse_units}
-        compressors: Dict[int, str] = {}
-        next_group = 0
-        for dtype, items in by_dtype.items():
-            ids = list(range(next_group, next_group + min(knobs.groups, len(items))))
-            groups.update(common.balanced_placement(items, ids)[0])
-            floating = np.issubdtype(np.dtype(dtype), np.floating)
-            for group in ids:
-                lossy = floating and rng.random() < knobs.fp16_share
-                compressors[group] = rng.choice(LOSSY_COMPRESSORS) if lossy else "NoneCompressor"
-            next_group = ids[-1] + 1
-        compressors.setdefault(0, "NoneCompressor")
-        # Units copy a config per compressor, then set their group: the helper's
-        # enum lookups run a few times per sample rather than once per unit.
-        templates = {name: common.ar_node_config("", 0, compressor=name)
-                     for name in set(compressors.values())}
-        return groups, {group: templates[name] for group, name in compressors.items()}
-
-    def _add_node_config(self, configs, var, plan: _Plan, placement, groups, templates,
-                         knobs: _Knobs) -> None:
-        """Appends the config of a variable with a gradient to ``configs``."""
-        if plan.partitioner:
-            # The partitioned_node_config layout: the top node holds the partitioner only.
-            configs = configs.add(var_name=var.name, partitioner=plan.partitioner).part_config
-        add = configs.add
-        if plan.is_ps:
-            for name in plan.names:
-                node = add()
-                node.CopyFrom(self._ps_template(placement[name], plan.proxy, plan.aggregate,
-                                                knobs.staleness))
-                node.var_name = name
-            return
-        for name in plan.names:
-            group = groups[name]
-            node = add()
-            node.CopyFrom(templates[group])
-            node.var_name = name
-            node.AllReduceSynchronizer.group = group
-
-    def _ps_template(self, device: str, proxy: bool, aggregate: bool, staleness: int) -> Node:
-        key = (device, proxy, aggregate, staleness)
-        if key not in self._ps_templates:
-            # On a cluster any transfer_destination makes every node sum its own replicas.
-            self._ps_templates[key] = common.ps_node_config(
-                "", device, proxy, sync=staleness == 0, staleness=staleness,
-                transfer_destination=device if aggregate else "")
-        return self._ps_templates[key]
+    def _draw_kind(self, var, knobs: _Knobs, rng: random.Random) -> str:
+        """A kind the variable may get, with odds in proportion to the kinds' shares."""
+        allowed = self._allowed[var.name]
+        shares = knobs.sparse_shares if var.sparse_grad else knobs.dense_shares
+        weights = [shares[i] for i in allowed]
+        total = sum(weights)
+        if total <= 0:  # every allowed kind's share is 0: any of them
+            return self._fields[allowed[rng.randrange(len(allowed))]]
+        draw = rng.random() * total
+        for i, weight in zip(allowed, weights):
+            if draw < weight:
+                return self._fields[i]
+            draw -= weight
+        return self._fields[allowed[-1]]  # the draw rounded up to the total
 
 
 def sample(item_or_variables: Any, resource_spec: Any, rng: Union[random.Random, int],

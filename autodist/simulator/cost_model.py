@@ -42,8 +42,10 @@ The prediction is a linear combination of a few named components, each a
   CPU time that PS placement can spread over the nodes and AllReduce cannot.
   On one node every strategy updates every variable there, so it is left out.
 
-The bytes behind the components, and the rules by which PS traffic loads each
-resource, are in ``traffic.py``. Compute time is left out: it hardly depends on
+Each synchronizer kind charges its own parts (``SynchronizerKind.cost``; the
+rules by which PS traffic loads each resource are in ``synchronizers/ps.py``);
+this module adds the split step and the optimizer update, which depend on every
+kind at once. The bytes behind the components are in ``traffic.py``. Compute time is left out: it hardly depends on
 the strategy, and the model exists to rank strategies, not to predict wall time.
 """
 from __future__ import annotations
@@ -53,16 +55,13 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 
-from autodist.simulator.traffic import (DIRECTIONS, ClusterView, SyncParts,
-                                        cluster_view, ps_flows, ps_loads, seconds, step_nodes,
-                                        sync_parts)
+from autodist.network import ClusterView, cluster_view, in_order_sum
+from autodist.simulator.traffic import KIND_NUMBERS, SyncParts, sync_parts
 
 COMPONENTS = ("ring_all_reduce", "all_gather", "collective_latency", "all_reduce_part_overhead",
               "ps_transfer", "ps_part_overhead", "ps_serving_nodes", "split_step",
               "optimizer_update")
 """Names of the cost components, in report order."""
-
-_GATHERS_PER_SPARSE_PART = 3  # the kernel gathers row counts, values and indices
 
 @dataclasses.dataclass(frozen=True)
 class CostWeights:
@@ -234,29 +233,43 @@ class CostModel:
         variables = getattr(graph_item, "trainable_variables", graph_item)
         parts, proto_strategy = sync_parts(strategy, variables, batch_size, rows_touched or {})
         cluster = cluster_view(proto_strategy.replicas, resource_spec, self.local_bandwidth_gbps)
-        all_reduced = np.flatnonzero(~parts.is_ps & parts.has_grad)
-        ps = np.flatnonzero(parts.is_ps)
-        multi_node = len(cluster.replicas_per_node) > 1
-        # A multi-node step mixing PS and AllReduce gradients is split in two runs (README).
-        split_step = multi_node and all_reduced.size > 0 and bool(parts.has_grad[ps].any())
-        ar_features, ar_charges = _all_reduce_charges(parts, all_reduced, cluster)
-        ps_features, ps_charges, binding = _ps_charges(parts, ps, cluster, split_step)
-        step_features, step_charges = _step_charges(parts, ps, multi_node, split_step)
-        update_features, update_charges = _update_charges(parts, cluster, multi_node)
-        features = {**dict.fromkeys(COMPONENTS, 0.0), **ar_features, **ps_features,
-                    **step_features, **update_features}
-        part, component, value = (np.concatenate(column) for column in
-                                  zip(*ar_charges, ps_charges, *step_charges, *update_charges))
-        return Charges(parts, cluster, features, part, component, value, binding)
+        of_kind = [(kind, parts.of_kind(kind)) for kind in KIND_NUMBERS]
+        synchronized = [(kind, index) for kind, index in of_kind if parts.has_grad[index].any()]
+        # A multi-node step mixing collectives with ops on other nodes' devices is
+        # split in two runs (README).
+        split_step = (cluster.multi_node and any(kind.collective for kind, _ in synchronized)
+                      and any(kind.remote_ops for kind, _ in synchronized))
+        features = dict.fromkeys(COMPONENTS, 0.0)
+        charged, bindings = [], []
+        for kind, index in of_kind:
+            if not index.size:
+                continue
+            cost = kind.cost(parts, index, cluster, split_step)
+            features.update(cost.features)
+            charged.extend(_interleave(part, *specs) for part, specs in cost.charges)
+            if cost.binding:
+                bindings.append(cost.binding)
+        if split_step:
+            with_grad = np.flatnonzero(parts.has_grad)
+            features["split_step"] = 1.0
+            charged.append(_interleave(with_grad, ("split_step", 1.0 / len(with_grad), True)))
+        if cluster.multi_node:
+            update, update_charges = _update_charges(parts, of_kind, cluster)
+            features["optimizer_update"] = update
+            charged.append(update_charges)
+        part, component, value = (np.concatenate(column) for column in zip(*charged)) \
+            if charged else (np.zeros(0, np.intp), np.zeros(0, np.intp), np.zeros(0))
+        return Charges(parts, cluster, features, part, component, value,
+                       ", ".join(bindings) or None)
 
 
 class Charges(NamedTuple):
     """What :meth:`CostModel.charges` returns; features and charges are unweighted.
 
     The charges are columns, one entry per charge, in a fixed order, so that
-    sums over them round alike every time: all-gathered parts, then dense
-    all-reduce collectives in launch order, then PS parts, then the serving
-    nodes' and the split step's shares, then the busiest node's updates.
+    sums over them round alike every time: each kind's, in the registry's order
+    and as the kind lists them, then the split step's shares, then the busiest
+    node's updates.
 
     Attributes:
         parts: the synchronized parts.
@@ -296,154 +309,29 @@ def _interleave(index: np.ndarray, *charges: Tuple[str, _Column, _Column]) -> _C
     return part[where], component[where], value[where]
 
 
-def _in_order_sum(values: np.ndarray) -> float:
-    """Sums left to right, as a loop would (``np.sum`` pairs terms, rounding differently)."""
-    return float(np.bincount(np.zeros(len(values), dtype=np.intp), values, minlength=1)[0])
-
-
-def _all_reduce_charges(parts: SyncParts, index: np.ndarray,
-                        cluster: ClusterView) -> Tuple[Dict[str, float], List[_Charged]]:
-    """The ring, all-gather and latency features of the all-reduced parts ``index``.
-
-    Returns:
-        tuple: (component -> feature, the charges of those parts).
-    """
-    n = cluster.num_replicas
-    if n < 2 or not index.size:
-        return {}, []
-    gbps = cluster.ring_gbps()
-    sparse = index[parts.sparse[index]]
-    gather = seconds((n - 1) * parts.grad_bytes[sparse], gbps)
-    dense = index[~parts.sparse[index]]
-    _, first, collective = np.unique(parts.collective()[dense], return_index=True,
-                                     return_inverse=True)
-    collective = np.argsort(np.argsort(first))[collective]  # numbered in launch order
-    # Each dtype's collective moves its own bytes; the ring time is linear in them,
-    # so it adds up per group as it would for one buffer.
-    collective_bytes = np.bincount(collective, parts.wire_bytes[dense], minlength=len(first))
-    ring_factor = 2.0 * (n - 1) / n
-    features = {"ring_all_reduce": _in_order_sum(seconds(ring_factor * collective_bytes, gbps)),
-                "all_gather": _in_order_sum(gather),
-                "collective_latency": float(_GATHERS_PER_SPARSE_PART * len(sparse) + len(first)),
-                "all_reduce_part_overhead": float(len(index))}
-    order = np.argsort(collective, kind="stable")
-    dense, collective = dense[order], collective[order]
-    members = np.bincount(collective, minlength=len(first))
-    ring = seconds(ring_factor * parts.wire_bytes[dense], gbps)
-    return features, [
-        _interleave(sparse, ("all_gather", gather, True),
-                    ("collective_latency", float(_GATHERS_PER_SPARSE_PART), True),
-                    ("all_reduce_part_overhead", 1.0, True)),
-        # Collective by collective, as launched; a launch is shared evenly by its members.
-        _interleave(dense, ("ring_all_reduce", ring, True),
-                    ("collective_latency", 1.0 / members[collective], True),
-                    ("all_reduce_part_overhead", 1.0, True))]
-
-
-def _ps_charges(parts: SyncParts, index: np.ndarray, cluster: ClusterView, split_step: bool
-                ) -> Tuple[Dict[str, float], _Charged, Optional[str]]:
-    """The PS transfer and overhead features of the PS parts ``index``.
-
-    Returns:
-        tuple: (component -> feature; the charges of those parts: the overhead
-        and each part's share of the binding resources; the binding resources,
-        e.g. ``"10.0.0.1 in (push, refresh), 10.0.0.1 out (read)"``, or None without PS traffic).
-    """
-    has_grad = parts.has_grad[index]
-    features = {"ps_part_overhead": float(np.count_nonzero(has_grad))}
-    flows = ps_flows(parts, index, split_step)
-    nodes, loads = ps_loads(flows, parts.servers, cluster)
-    rates = np.array([[cluster.gbps((node, direction)) for direction in DIRECTIONS]
-                      for node in nodes])
-    push, refresh, read = (seconds(phase, rates[:, :, None]) for phase in loads)
-    share: _Column = 0.0
-    bindings = []
-    # Refreshes overlap the pushes, but a part's refresh follows its own push.
-    # Each server's pushes arrive together, so its largest refresh comes last:
-    # the busiest resource of pushes and refreshes binds, or else that of the
-    # pushes, then those last refreshes.
-    refresh_times = refresh.max(axis=(0, 1))  # each part's, on its busiest resource
-    last = np.zeros(len(index), dtype=bool)
-    for server in np.unique(flows.server[refresh_times > 0]):
-        on_server = np.flatnonzero(flows.server == server)
-        last[on_server[np.argmax(refresh_times[on_server])]] = True
-    overlapped, node, direction = _busiest(push + refresh)
-    after_pushes, push_node, push_direction = _busiest(push)
-    tail, tail_node, tail_direction = _busiest(np.where(last, refresh, 0.0))
-    if after_pushes + tail > overlapped:
-        features["ps_transfer"] = after_pushes + tail
-        share = push[push_node, push_direction] + refresh[tail_node, tail_direction] * last
-        bindings.append(f"{nodes[push_node]} {DIRECTIONS[push_direction]} (push), "
-                        f"{nodes[tail_node]} {DIRECTIONS[tail_direction]} (last refreshes)")
-    elif overlapped:
-        features["ps_transfer"] = overlapped
-        share = (push + refresh)[node, direction]
-        phases = "push, refresh" if last.any() else "push"
-        bindings.append(f"{nodes[node]} {DIRECTIONS[direction]} ({phases})")
-    reading, node, direction = _busiest(read)
-    if reading:
-        features["ps_transfer"] = features.get("ps_transfer", 0.0) + reading
-        share = share + read[node, direction]
-        bindings.append(f"{nodes[node]} {DIRECTIONS[direction]} (read)")
-    charged = _interleave(index, ("ps_part_overhead", 1.0, has_grad),
-                          ("ps_transfer", share, share != 0))
-    return features, charged, ", ".join(bindings) or None
-
-
-def _busiest(per_flow: np.ndarray) -> Tuple[float, int, int]:
-    """(seconds, node, direction) of the busiest resource of ``[node, direction, flow]`` times."""
-    per_resource = per_flow.sum(axis=2)
-    node, direction = np.unravel_index(np.argmax(per_resource), per_resource.shape)
-    return float(per_resource[node, direction]), int(node), int(direction)
-
-
-def _step_charges(parts: SyncParts, ps: np.ndarray, multi_node: bool, split_step: bool
-                  ) -> Tuple[Dict[str, float], List[_Charged]]:
-    """The serving-node and split-step features, each shared evenly by the parts behind it.
-
-    A serving node's count is shared by its PS parts with a gradient, the
-    split step's by every part with a gradient.
-
-    Returns:
-        tuple: (component -> feature, the charges).
-    """
-    if not multi_node:
-        return {}, []
-    served = ps[parts.has_grad[ps]]
-    per_server = np.bincount(parts.server[served], minlength=len(parts.servers))
-    features = {"ps_serving_nodes": float(np.count_nonzero(per_server))}
-    charges = [_interleave(served, ("ps_serving_nodes", 1.0 / per_server[parts.server[served]],
-                                    True))]
-    if split_step:
-        synchronized = np.flatnonzero(parts.has_grad)
-        features["split_step"] = 1.0
-        charges.append(_interleave(synchronized,
-                                   ("split_step", 1.0 / len(synchronized), True)))
-    return features, charges
-
-
-def _update_charges(parts: SyncParts, cluster: ClusterView, multi_node: bool
-                    ) -> Tuple[Dict[str, float], List[_Charged]]:
+def _update_charges(parts: SyncParts, of_kind: list, cluster: ClusterView
+                    ) -> Tuple[float, _Charged]:
     """The optimizer-update feature: GB of variable parts the busiest node updates.
 
-    Each part with a gradient is updated on its server (PS) or on every node
-    with replicas (AllReduce); the parts updated on the busiest node are
-    charged their own GB.
+    Each kind says which share of its parts each node updates
+    (``SynchronizerKind.update_shares``); the parts updated on the busiest node
+    are charged their GB times that node's share.
 
     Returns:
-        tuple: (component -> feature, the charges).
+        tuple: (the feature, the charges).
     """
-    if not multi_node:
-        return {}, []
-    nodes, server_node = step_nodes(cluster, parts.servers)
+    nodes, server_node = cluster.step_nodes(parts.servers)
+    shares = np.zeros((len(nodes), len(parts.names)))
+    for kind, index in of_kind:
+        if index.size:
+            shares[:, index] = kind.update_shares(parts, index, len(nodes),
+                                                  server_node[parts.server[index]],
+                                                  len(cluster.replicas_per_node))
     updated = np.flatnonzero(parts.has_grad)
     gigabytes = parts.value_bytes[updated] / 1e9
-    server_node = server_node[parts.server[updated]]
-    # [node, part]: whether the node updates the part.
-    on_node = np.where(parts.is_ps[updated],
-                       server_node == np.arange(len(nodes))[:, None],
-                       np.arange(len(nodes))[:, None] < len(cluster.replicas_per_node))
-    busiest = int(np.argmax(on_node @ gigabytes))
-    charged = on_node[busiest]
-    return ({"optimizer_update": _in_order_sum(gigabytes[charged])},
-            [_interleave(updated[charged], ("optimizer_update", gigabytes[charged], True))])
+    shares = shares[:, updated]
+    busiest = int(np.argmax(shares @ gigabytes))
+    charged = shares[busiest] > 0
+    on_busiest = gigabytes[charged] * shares[busiest][charged]
+    return (in_order_sum(on_busiest),
+            _interleave(updated[charged], ("optimizer_update", on_busiest, True)))

@@ -6,16 +6,16 @@ synchronized, in the form the kernels consume.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Union
+from typing import Optional, Type
+
+from google.protobuf.message import Message
 
 from autodist.graph_item import GraphItem, VariableInfo
 from autodist.partition import PartitionPlan, parse_partitioner
-from autodist.proto import synchronizers_pb2
 from autodist.resource_spec import ResourceSpec
 from autodist.strategy.base import Strategy, StrategyError
-
-_COMPRESSOR = synchronizers_pb2.AllReduceSynchronizer.Compressor
-Synchronizer = Union[synchronizers_pb2.PSSynchronizer, synchronizers_pb2.AllReduceSynchronizer]
+from autodist.synchronizers import KINDS, kind_of
+from autodist.synchronizers.base import SynchronizerKind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,17 +26,15 @@ class VariablePart:
         name: storage name: the variable name, or ``<var>/part_<i>``.
         index: position among the variable's parts.
         shape: shape of this piece.
-        synchronizer: its PSSynchronizer or AllReduceSynchronizer config.
+        kind: the class of its synchronizer kind.
+        synchronizer: its synchronizer config, the message of its kind's oneof field.
     """
 
     name: str
     index: int
     shape: tuple
-    synchronizer: Synchronizer
-
-    @property
-    def is_ps(self) -> bool:
-        return isinstance(self.synchronizer, synchronizers_pb2.PSSynchronizer)
+    kind: Type[SynchronizerKind]
+    synchronizer: Message
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,37 +83,15 @@ def compile_strategy(strategy: Strategy, graph_item: GraphItem,
     compiled = {}
     for info in graph_item.trainable_variables:
         compiled[info.name] = _compile_variable(configs[info.name], info, devices, strategy.id)
-    _check_group_compressors(compiled, strategy.id)
+    for kind in KINDS.values():
+        kind.check_variables(list(compiled.values()), strategy.id)
     return CompiledStrategy(strategy=strategy, variables=compiled)
-
-
-def _check_group_compressors(compiled: dict, strategy_id: str) -> None:
-    """A group's dense gradients share one buffer, so its parts must agree on the compressor.
-
-    Sparse gradients are gathered one by one, uncompressed, whatever their group.
-    """
-    compressors = {}  # group -> {compressor -> a part name}
-    for variable in compiled.values():
-        if not variable.info.has_grad or variable.info.sparse_grad:
-            continue
-        for part in variable.parts:
-            if not part.is_ps:
-                sync = part.synchronizer
-                compressors.setdefault(sync.group, {}).setdefault(sync.compressor, part.name)
-    for group, names in sorted(compressors.items()):
-        if len(names) > 1:
-            found = ", ".join(f"'{name}' {_COMPRESSOR.Name(value)}"
-                              for value, name in sorted(names.items()))
-            raise StrategyError(
-                f"Strategy {strategy_id}: all-reduce group {group} mixes compressors ({found}); "
-                "a group's gradients share one buffer, so give them one compressor or "
-                "separate groups.")
 
 
 def _compile_variable(node, info: VariableInfo, devices: set, strategy_id: str):
     if not node.partitioner:
         return CompiledVariable(info, None, (VariablePart(
-            info.name, 0, info.shape, _synchronizer(node, devices, strategy_id)),))
+            info.name, 0, info.shape, *_synchronizer(node, devices, strategy_id)),))
     try:
         plan = parse_partitioner(node.partitioner, info.shape, info.name)
     except ValueError as err:
@@ -126,45 +102,17 @@ def _compile_variable(node, info: VariableInfo, devices: set, strategy_id: str):
             f"parts by partitioner '{node.partitioner}' but has {len(node.part_config)} "
             "part configs.")
     parts = tuple(VariablePart(f"{info.name}/part_{i}", i, plan.part_shape(i),
-                               _synchronizer(part, devices, strategy_id))
+                               *_synchronizer(part, devices, strategy_id))
                   for i, part in enumerate(node.part_config))
     return CompiledVariable(info, plan, parts)
 
 
-def _synchronizer(node, devices: set, strategy_id: str) -> Synchronizer:
-    kind = node.WhichOneof("synchronizer")
+def _synchronizer(node, devices: set, strategy_id: str) -> tuple:
+    """(the kind's class, the config) of a node or part config, checked."""
+    kind = kind_of(node)
     if kind is None:
         raise StrategyError(f"Strategy {strategy_id}: '{node.var_name}' has no synchronizer; "
-                            "set PSSynchronizer or AllReduceSynchronizer.")
-    sync = getattr(node, kind)
-    if kind == "PSSynchronizer":
-        for field in ("reduction_destination", "transfer_destination"):
-            device = getattr(sync, field)
-            if (device or field == "reduction_destination") and device not in devices:
-                raise StrategyError(
-                    f"Strategy {strategy_id}: '{node.var_name}' has {field} '{device}', "
-                    f"which is not a device of the resource spec ({sorted(devices)}).")
-        if sync.staleness < 0:
-            raise StrategyError(f"Strategy {strategy_id}: '{node.var_name}' has staleness "
-                                f"{sync.staleness}; it must be 0 or more.")
-        if sync.sync and sync.staleness:
-            raise StrategyError(f"Strategy {strategy_id}: '{node.var_name}' has sync true and "
-                                f"staleness {sync.staleness}; bounded staleness needs sync "
-                                "false.")
-        if not sync.sync and not sync.staleness:
-            raise StrategyError(f"Strategy {strategy_id}: '{node.var_name}' has sync false (or "
-                                "unset) and staleness 0, which asks for unbounded asynchrony; "
-                                "it is not built. Set sync true for synchronous training, or a "
-                                "staleness of 1 or more.")
-    else:
-        if sync.group < 0:
-            raise StrategyError(f"Strategy {strategy_id}: '{node.var_name}' has group "
-                                f"{sync.group}; it must be 0 or more.")
-        for field, enum in (("spec", synchronizers_pb2.AllReduceSynchronizer.Spec),
-                            ("compressor", synchronizers_pb2.AllReduceSynchronizer.Compressor)):
-            value = getattr(sync, field)
-            if value not in enum.values():
-                raise StrategyError(
-                    f"Strategy {strategy_id}: '{node.var_name}' has {field} {value}, which is "
-                    f"not one of {dict(zip(enum.keys(), enum.values()))}.")
-    return sync
+                            f"set one of {list(KINDS)}.")
+    config = getattr(node, kind.field)
+    kind.check(config, node.var_name, devices, strategy_id)
+    return kind, config

@@ -21,8 +21,10 @@ class KernelContext:
         node_index: this node's position in the cluster; 0 is the chief.
         num_nodes: nodes in the cluster.
         group_size: replicas in the whole cluster (0: this node's replicas).
-        has_ps: the strategy has PS-synchronized parts.
-        has_all_reduce: the strategy has all-reduced parts.
+        has_collectives: parts with a gradient are of a kind that reduces
+            through collectives (``SynchronizerKind.collective``).
+        has_remote_ops: parts with a gradient are of a kind whose step runs ops
+            on other nodes' devices (``SynchronizerKind.remote_ops``).
         state_per_node: keep the non-trainable variables per node even where a
             cluster could keep one copy on the chief (a Keras model's metrics
             and batch-norm statistics, which every node's model reads back).
@@ -35,8 +37,8 @@ class KernelContext:
     node_index: int = 0
     num_nodes: int = 1
     group_size: int = 0
-    has_ps: bool = False
-    has_all_reduce: bool = False
+    has_collectives: bool = False
+    has_remote_ops: bool = False
     state_per_node: bool = False
 
     @property
@@ -63,12 +65,12 @@ class KernelContext:
         node's step aborts whatever another node's step still does on its task:
         such a step must stay on the node's own devices.
         """
-        return self.multi_node and self.has_all_reduce
+        return self.multi_node and self.has_collectives
 
     @property
     def split_step(self) -> bool:
-        """A step is two runs: a local one with the collectives, then the PS traffic."""
-        return self.collective_steps and self.has_ps
+        """A step is two runs: a local one with the collectives, then the other nodes' ops."""
+        return self.collective_steps and self.has_remote_ops
 
     @property
     def shared_variables_on_chief(self) -> bool:

@@ -1,0 +1,399 @@
+"""AllReduce synchronizer: every node keeps a copy; gradients meet in collectives.
+
+Dense gradients of the parts sharing a group are flattened into one buffer per
+replica and reduced by a single TensorFlow collective (mean), then split back;
+a group mixing dtypes (a mixed-precision model) has one buffer per dtype.
+Sparse gradients are all-gathered (values and indices), which keeps them sparse.
+Collective keys are derived from the strategy alone, so every node of a cluster
+computes the same ones.
+
+A node's replicas share its one copy of each part (on the node's CPU; CPU
+replicas share the host's memory): the collective leaves the same mean on every
+replica, so one update per node is enough, and a model of hundreds of
+variables on many replicas does not pay for a copy, optimizer slots and an
+update per replica.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from typing import Dict, List
+
+import numpy as np
+import tensorflow as tf
+
+from autodist.kernel_context import KernelContext, replica_scope
+from autodist.network import ClusterView, in_order_sum, seconds
+from autodist.proto import synchronizers_pb2
+from autodist.strategy import common
+from autodist.strategy.base import StrategyError
+from autodist.synchronizers.base import (COLLECTIVE_GROUP_KEY, CollectiveKeys, KindCost,
+                                         KindSampling, Member, PartStorage, Reduced,
+                                         SynchronizerKind, draw_share)
+from autodist.synchronizers.compressor import LOSSY, compressor_class
+
+_CONFIG = synchronizers_pb2.AllReduceSynchronizer
+# Sub-rings per device: a merged group is one large buffer, and with a single
+# ring every step copies a whole chunk before adding it; several overlap the
+# transfer of one piece with the arithmetic of another (docs/notes/step_time.md).
+_RING_SUBDIVISIONS = 4
+
+
+class AllReduceSynchronizer(SynchronizerKind):
+    """The kind of the ``AllReduceSynchronizer`` field: see the module docstring."""
+
+    field = "AllReduceSynchronizer"
+    feature_name = "all_reduce"
+    collective = True
+
+    # ------------------------------------------------------------ what the search asks
+
+    @classmethod
+    def traffic_record(cls, config, info, grad_bytes: float, devices: dict) -> tuple:
+        compressor = config.compressor
+        wire_bytes = compressor_class(compressor).wire_bytes(grad_bytes, info.dtype,
+                                                              info.sparse_grad)
+        return (wire_bytes, -1, False, 0, False, compressor, config.group)
+
+    @classmethod
+    def cost(cls, parts, index: np.ndarray, cluster: ClusterView, split_step: bool) -> KindCost:
+        """The ring, all-gather, latency and part-overhead components of the parts with a gradient.
+
+        Every dense group costs ``2 (n - 1) / n * bytes / bandwidth`` for ``n``
+        replicas on the ring's slowest link; a sparse part is all-gathered,
+        ``(n - 1) * bytes / bandwidth``. Collectives: one per dtype of a dense
+        group, three per sparse part.
+        """
+        index = index[parts.has_grad[index]]
+        n = cluster.num_replicas
+        if n < 2 or not index.size:
+            return KindCost({}, [])
+        gbps = cluster.ring_gbps()
+        sparse = index[parts.sparse[index]]
+        gather = seconds((n - 1) * parts.grad_bytes[sparse], gbps)
+        dense = index[~parts.sparse[index]]
+        _, first, collective = np.unique(_collectives(parts, dense), return_index=True,
+                                         return_inverse=True)
+        collective = np.argsort(np.argsort(first))[collective]  # numbered in launch order
+        # Each dtype's collective moves its own bytes; the ring time is linear in them,
+        # so it adds up per group as it would for one buffer.
+        collective_bytes = np.bincount(collective, parts.wire_bytes[dense],
+                                       minlength=len(first))
+        ring_factor = 2.0 * (n - 1) / n
+        features = {"ring_all_reduce": in_order_sum(seconds(ring_factor * collective_bytes,
+                                                            gbps)),
+                    "all_gather": in_order_sum(gather),
+                    "collective_latency": float(_GATHERS_PER_SPARSE_PART * len(sparse)
+                                                + len(first)),
+                    "all_reduce_part_overhead": float(len(index))}
+        order = np.argsort(collective, kind="stable")
+        dense, collective = dense[order], collective[order]
+        members = np.bincount(collective, minlength=len(first))
+        ring = seconds(ring_factor * parts.wire_bytes[dense], gbps)
+        return KindCost(features, [
+            (sparse, [("all_gather", gather, True),
+                      ("collective_latency", float(_GATHERS_PER_SPARSE_PART), True),
+                      ("all_reduce_part_overhead", 1.0, True)]),
+            # Collective by collective, as launched; a launch is shared evenly by its members.
+            (dense, [("ring_all_reduce", ring, True),
+                     ("collective_latency", 1.0 / members[collective], True),
+                     ("all_reduce_part_overhead", 1.0, True)])])
+
+    @classmethod
+    def update_shares(cls, parts, index: np.ndarray, num_nodes: int, server_node: np.ndarray,
+                      replica_nodes: int) -> np.ndarray:
+        """Every node with replicas keeps a copy and updates it whole."""
+        on_node = (np.arange(num_nodes) < replica_nodes).astype(np.float64)
+        return np.repeat(on_node[:, None], len(index), axis=1)
+
+    @classmethod
+    def link_gbps(cls, parts, index: np.ndarray, cluster: ClusterView) -> np.ndarray:
+        return np.full(len(index), cluster.ring_gbps())
+
+    @classmethod
+    def traffic_keys(cls, parts, index: np.ndarray) -> np.ndarray:
+        """Sparse parts share the gathers (0); dense ones their collective (from 1)."""
+        _, collective = np.unique(_collectives(parts, index), return_inverse=True)
+        return np.where(parts.sparse[index], 0, 1 + collective)
+
+    @classmethod
+    def sampling(cls, variables: list, resource_spec, constraints) -> KindSampling:
+        return _AllReduceSampling(variables, constraints)
+
+    # ------------------------------------------------------------ the graph
+
+    @classmethod
+    def check(cls, config, var_name: str, devices: set, strategy_id: str) -> None:
+        if config.group < 0:
+            raise StrategyError(f"Strategy {strategy_id}: '{var_name}' has group "
+                                f"{config.group}; it must be 0 or more.")
+        for field, enum in (("spec", _CONFIG.Spec), ("compressor", _CONFIG.Compressor)):
+            value = getattr(config, field)
+            if value not in enum.values():
+                raise StrategyError(
+                    f"Strategy {strategy_id}: '{var_name}' has {field} {value}, which is "
+                    f"not one of {dict(zip(enum.keys(), enum.values()))}.")
+
+    @classmethod
+    def check_variables(cls, variables: list, strategy_id: str) -> None:
+        """A group's dense gradients share one buffer, so its parts must agree on the compressor.
+
+        Sparse gradients are gathered one by one, uncompressed, whatever their group.
+        """
+        compressors = {}  # group -> {compressor -> a part name}
+        for variable in variables:
+            if not variable.info.has_grad or variable.info.sparse_grad:
+                continue
+            for part in variable.parts:
+                if part.kind is cls:
+                    sync = part.synchronizer
+                    compressors.setdefault(sync.group, {}).setdefault(sync.compressor, part.name)
+        for group, names in sorted(compressors.items()):
+            if len(names) > 1:
+                found = ", ".join(f"'{name}' {_CONFIG.Compressor.Name(value)}"
+                                  for value, name in sorted(names.items()))
+                raise StrategyError(
+                    f"Strategy {strategy_id}: all-reduce group {group} mixes compressors "
+                    f"({found}); a group's gradients share one buffer, so give them one "
+                    "compressor or separate groups.")
+
+    def create_storage(self, part, initial_value: tf.Tensor) -> PartStorage:
+        copy, origin = create_all_reduce_storage(part.name, initial_value, self.ctx)
+        return PartStorage(part, [copy], [copy] * self.ctx.num_replicas, self, origin)
+
+    def initialization(self, storage: PartStorage) -> tuple:
+        if storage.origin is None:
+            return [], []
+        return [storage.origin], list(storage.copies)
+
+    def synchronize(self, members: List[Member]) -> Reduced:
+        out = Reduced()
+        groups = {}
+        for member in members:
+            groups.setdefault(member.storage.part.synchronizer.group, []).append(member)
+        for group in sorted(groups):
+            grouped = groups[group]
+            means, others = all_reduce_group(
+                [(m.storage.part.name, m.storage.part.synchronizer, m.grads) for m in grouped],
+                self.keys, self.ctx)
+            out.local_updates.extend(m.update(mean) for m, mean in zip(grouped, means))
+            out.local_ops.extend(others)
+        return out
+
+
+def create_all_reduce_storage(name: str, initial_value: tf.Tensor, ctx: KernelContext):
+    """This node's copy of the part, on its CPU, read by all its replicas.
+
+    On a cluster every node's copy starts from an origin variable on the chief,
+    so they agree even when the initializer is random and unseeded.
+
+    Returns:
+        (the copy, origin variable or None)
+    """
+    origin = None
+    if ctx.multi_node:
+        with tf.device(ctx.chief_device):
+            origin = tf.Variable(initial_value, trainable=False, name=f"{name}/origin")
+        initial_value = origin.read_value()
+    with tf.device(ctx.shared_device):
+        return tf.Variable(initial_value, name=name), origin
+
+
+def all_reduce_group(members: list, keys: CollectiveKeys, ctx: KernelContext) -> tuple:
+    """Reduces the gradients of one group across all replicas.
+
+    Args:
+        members: list of (part name, its AllReduceSynchronizer, [grad per local
+            replica]) in a fixed order; the compiler has checked that the dense
+            ones agree on the compressor.
+
+    Returns:
+        (list parallel to ``members`` of the mean gradient, taken from this
+        node's first replica; the other replicas' collectives, which must run too)
+    """
+    group_size = ctx.total_replicas
+    means = [None] * len(members)
+    others = []
+    by_dtype = {}  # one buffer, so one collective, per dtype; in the members' order
+    for i, (_, _, grads) in enumerate(members):
+        if not isinstance(grads[0], tf.IndexedSlices):
+            by_dtype.setdefault(grads[0].dtype, []).append(i)
+    for dense in by_dtype.values():
+        key = keys.take()
+        name, sync, _ = members[dense[0]]
+        for replica in range(ctx.num_replicas):
+            with tf.device(ctx.replica_tf_device(replica)):
+                grads = [members[i][2][replica] for i in dense]
+                scope = f"{replica_scope(replica)}/{name}"
+                summed, unpack = _reduce_dense(grads, sync, group_size, key, scope)
+                if replica == 0:
+                    for i, grad in zip(dense, unpack(summed)):
+                        means[i] = grad
+                else:
+                    others.append(summed.op)
+    for i, (_, _, grads) in enumerate(members):
+        if not isinstance(grads[0], tf.IndexedSlices):
+            continue
+        sparse_keys = (keys.take(), keys.take(), keys.take())
+        for replica in range(ctx.num_replicas):
+            with tf.device(ctx.replica_tf_device(replica)):
+                gathered = _gather_sparse(grads[replica], group_size, sparse_keys)
+                if replica == 0:
+                    means[i] = _mean_of_gathered(*gathered, group_size, grads[replica])
+                else:
+                    others.extend(t.op for t in gathered)
+    return means, others
+
+
+def _reduce_dense(grads: list, sync, group_size: int, key: int, scope: str) -> tuple:
+    """One replica's collective of a group: (its output, a function unpacking the mean)."""
+    flat_shape = tf.constant([-1])  # one shape constant for all: large groups are common
+    flat = tf.concat([tf.reshape(g, flat_shape) for g in grads], 0) if len(grads) > 1 \
+        else tf.reshape(grads[0], flat_shape)
+    compressor = compressor_class(sync.compressor)(scope)
+    wire, ctx = compressor.compress(flat)
+    summed = tf.raw_ops.CollectiveReduceV2(
+        input=wire, group_size=group_size, group_key=COLLECTIVE_GROUP_KEY,
+        instance_key=key, ordering_token=[], merge_op="Add", final_op="Div",
+        max_subdivs_per_device=_RING_SUBDIVISIONS)
+
+    def unpack(summed):
+        mean = compressor.decompress(summed, ctx)
+        sizes = [g.shape.num_elements() for g in grads]
+        return [tf.reshape(piece, g.shape) for piece, g in zip(tf.split(mean, sizes), grads)]
+    return summed, unpack
+
+
+# Instance keys of sparse gathers: one per gather and padded size, above the
+# keys CollectiveKeys hands out.
+_SIZED_KEY_BASE = 1 << 24
+_SIZE_CLASSES = 48
+
+
+def _gather_sparse(grad: tf.IndexedSlices, group_size: int, keys: tuple) -> tuple:
+    """All-gathers an IndexedSlices gradient: (values, indices) of every replica.
+
+    Replicas may hold different numbers of rows (a partition owns the rows whose
+    ids fall in its range, a short batch has fewer), but a gather needs equal
+    shapes: every replica pads to the power of two above the largest count
+    with rows of index -1, dropped by :func:`_mean_of_gathered`. The extra row
+    keeps the gather from ever being empty, which crashes the collective.
+
+    TensorFlow resolves a collective's shape once per instance key and then
+    holds every later run of that key to it, so each padded size gathers under
+    a key of its own (at most one per power of two).
+    """
+    count_key, value_key, index_key = keys
+    indices = tf.cast(grad.indices, tf.int64)
+    count = tf.shape(indices, out_type=tf.int64)[:1]
+    longest = tf.reduce_max(_gather(count, group_size, count_key))
+    size_class = _ceil_log2(longest + 1)
+    padding = tf.bitwise.left_shift(tf.constant(1, tf.int64), size_class) - count[0]
+    values = tf.pad(grad.values, [[0, padding]] + [[0, 0]] * (grad.values.shape.rank - 1))
+    indices = tf.pad(indices, [[0, padding]], constant_values=-1)
+
+    def sized_key(key):
+        return tf.cast(_SIZED_KEY_BASE + key * _SIZE_CLASSES + size_class, tf.int32)
+
+    return (_gather(values, group_size, sized_key(value_key)),
+            _gather(indices, group_size, sized_key(index_key)))
+
+
+def _ceil_log2(value: tf.Tensor) -> tf.Tensor:
+    """The smallest int64 ``b`` with ``2 ** b >= value``, for ``value >= 1``."""
+    guess = tf.cast(tf.math.ceil(tf.math.log(tf.cast(value, tf.float64)) / math.log(2.0)),
+                    tf.int64)
+    one = tf.constant(1, tf.int64)
+    # Correct a floating-point rounding either way.
+    guess = tf.where(tf.bitwise.left_shift(one, guess) < value, guess + 1, guess)
+    return tf.where((guess > 0) & (tf.bitwise.left_shift(one, tf.maximum(guess - 1, 0))
+                                   >= value), guess - 1, guess)
+
+
+def _mean_of_gathered(values: tf.Tensor, indices: tf.Tensor, group_size: int,
+                      grad: tf.IndexedSlices) -> tf.IndexedSlices:
+    real = indices >= 0
+    return tf.IndexedSlices(tf.boolean_mask(values, real) / float(group_size),
+                            tf.boolean_mask(indices, real), grad.dense_shape)
+
+
+def _gather(tensor: tf.Tensor, group_size: int, instance_key: int) -> tf.Tensor:
+    return tf.raw_ops.CollectiveGatherV2(
+        input=tensor, group_size=group_size, group_key=COLLECTIVE_GROUP_KEY,
+        instance_key=instance_key, ordering_token=[])
+
+
+# --------------------------------------------------------------------------- costs
+
+_GATHERS_PER_SPARSE_PART = 3  # the kernel gathers row counts, values and indices
+
+
+def _collectives(parts, index: np.ndarray) -> np.ndarray:
+    """The dense collective of each part ``index``, as a number per (group, dtype) pair.
+
+    The kernel gives each dtype of a group a buffer, and so a collective, of its own.
+    """
+    return parts.group[index] * (parts.dtype.max(initial=0) + 1) + parts.dtype[index]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Knobs:
+    groups: int          # groups per gradient dtype
+    fp16_share: float    # of the floating groups, compressed (when lossy choices are allowed)
+
+
+class _AllReduceSampling(KindSampling):
+    """The sampler's AllReduce choices: how many groups, their compressors; balanced groups."""
+
+    def __init__(self, variables: list, constraints):
+        self._constraints = constraints
+        # An upper bound of the all-reduced units, the most groups that can be useful.
+        self._most_units = sum(
+            constraints.max_partitions if v.size_bytes > constraints.partition_threshold_bytes
+            else 1 for v in variables if v.has_grad)
+
+    def allowed(self, var) -> bool:
+        return not var.sparse_grad or self._constraints.sparse_all_reduce
+
+    def draw_knobs(self, rng: random.Random) -> _Knobs:
+        c = self._constraints
+        # Log-uniform over 1..most: a uniform draw over hundreds of counts would
+        # almost never merge into a few large groups, often the fastest choice.
+        most = max(1, min(c.max_groups or self._most_units, self._most_units))
+        groups = min(most, int(math.exp(rng.uniform(0.0, math.log(most + 1)))))
+        return _Knobs(max(1, groups), draw_share(rng) if c.allow_fp16 else 0.0)
+
+    def configs(self, units: list, knobs: _Knobs, rng: random.Random) -> Dict[str, object]:
+        """A group's gradients are concatenated into one buffer, so groups never mix
+        dtypes. Sparse units are gathered one by one whatever their group; they join
+        group 0. A group's compressor is drawn once for all its units."""
+        by_dtype: Dict[str, List] = {}
+        sparse_units: List[str] = []
+        for var, plan in units:
+            if var.sparse_grad:
+                sparse_units.extend(plan.names)
+            else:
+                by_dtype.setdefault(var.dtype, []).extend(zip(plan.names, plan.sizes))
+        groups: Dict[str, int] = {name: 0 for name in sparse_units}
+        compressors: Dict[int, str] = {}
+        next_group = 0
+        for dtype, items in by_dtype.items():
+            ids = list(range(next_group, next_group + min(knobs.groups, len(items))))
+            groups.update(common.balanced_placement(items, ids)[0])
+            floating = np.issubdtype(np.dtype(dtype), np.floating)
+            for group in ids:
+                lossy = floating and rng.random() < knobs.fp16_share
+                compressors[group] = rng.choice(LOSSY) if lossy else "NoneCompressor"
+            next_group = ids[-1] + 1
+        compressors.setdefault(0, "NoneCompressor")
+        # One config per compressor, copied per group: the helper's enum lookups
+        # run a few times per sample rather than once per group.
+        by_compressor = {name: common.ar_node_config("", 0, compressor=name)
+                         for name in set(compressors.values())}
+        templates = {}
+        for group, name in compressors.items():
+            templates[group] = common.Node()
+            templates[group].CopyFrom(by_compressor[name])
+            templates[group].AllReduceSynchronizer.group = group
+        return {name: templates[group] for name, group in groups.items()}

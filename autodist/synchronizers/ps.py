@@ -1,0 +1,570 @@
+"""PS synchronizer: one shared copy of a variable part on its reduction destination.
+
+Replicas read it (or a local proxy of it), their gradients are averaged on the
+destination (optionally summed per node first on a transfer destination) and the
+optimizer updates the shared copy once per step. On a cluster the chief alone
+updates the shared copies, then hands every worker a token; a worker waits for
+its token before its step ends, so its next step reads the updated values.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import random
+from typing import List, NamedTuple, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from autodist.kernel_context import KernelContext, replica_scope
+from autodist.network import DIRECTIONS, ClusterView, seconds
+from autodist.strategy import common
+from autodist.strategy.base import StrategyError
+from autodist.synchronizers.base import (KindCost, KindSampling, Member, PartStorage, Reduced,
+                                         SynchronizerKind, draw_share, token_queue)
+
+
+class PSSynchronizer(SynchronizerKind):
+    """The kind of the ``PSSynchronizer`` field: see the module docstring."""
+
+    field = "PSSynchronizer"
+    feature_name = "ps"
+    remote_ops = True
+
+    # ------------------------------------------------------------ what the search asks
+
+    @classmethod
+    def traffic_record(cls, config, info, grad_bytes: float, devices: dict) -> tuple:
+        staleness = config.staleness
+        return (grad_bytes, devices.setdefault(config.reduction_destination, len(devices)),
+                config.local_replication or staleness > 0, staleness,
+                config.transfer_destination != "", 0, 0)
+
+    @classmethod
+    def cost(cls, parts, index: np.ndarray, cluster: ClusterView, split_step: bool) -> KindCost:
+        """``ps_transfer`` and ``ps_part_overhead``; on a cluster ``ps_serving_nodes``.
+
+        A part is charged the overhead, its share of the binding resources and
+        its share of its server's serving cost.
+        """
+        has_grad = parts.has_grad[index]
+        features = {"ps_part_overhead": float(np.count_nonzero(has_grad))}
+        transfer, share, binding = _transfer(parts, index, cluster, split_step)
+        if transfer:
+            features["ps_transfer"] = transfer
+        charges = [(index, [("ps_part_overhead", 1.0, has_grad),
+                            ("ps_transfer", share, share != 0)])]
+        if cluster.multi_node:
+            # Each node serving parts with a gradient costs a fixed time per step,
+            # shared evenly by its parts (docs/notes/auto_strategy.md).
+            served = index[has_grad]
+            per_server = np.bincount(parts.server[served], minlength=len(parts.servers))
+            features["ps_serving_nodes"] = float(np.count_nonzero(per_server))
+            charges.append((served, [("ps_serving_nodes",
+                                      1.0 / per_server[parts.server[served]], True)]))
+        return KindCost(features, charges, binding)
+
+    @classmethod
+    def update_shares(cls, parts, index: np.ndarray, num_nodes: int, server_node: np.ndarray,
+                      replica_nodes: int) -> np.ndarray:
+        """The optimizer runs where the shared copy lives: on its server alone."""
+        return (server_node == np.arange(num_nodes)[:, None]).astype(np.float64)
+
+    @classmethod
+    def link_gbps(cls, parts, index: np.ndarray, cluster: ClusterView) -> np.ndarray:
+        ring = cluster.ring_gbps()
+        return np.array([cluster.nic_gbps.get(server, ring)
+                         for server in parts.servers])[parts.server[index]]
+
+    @classmethod
+    def traffic_keys(cls, parts, index: np.ndarray) -> np.ndarray:
+        return parts.server[index]
+
+    @classmethod
+    def sampling(cls, variables: list, resource_spec, constraints) -> KindSampling:
+        return _PSSampling(variables, resource_spec, constraints)
+
+    # ------------------------------------------------------------ the graph
+
+    @classmethod
+    def check(cls, config, var_name: str, devices: set, strategy_id: str) -> None:
+        for field in ("reduction_destination", "transfer_destination"):
+            device = getattr(config, field)
+            if (device or field == "reduction_destination") and device not in devices:
+                raise StrategyError(
+                    f"Strategy {strategy_id}: '{var_name}' has {field} '{device}', "
+                    f"which is not a device of the resource spec ({sorted(devices)}).")
+        if config.staleness < 0:
+            raise StrategyError(f"Strategy {strategy_id}: '{var_name}' has staleness "
+                                f"{config.staleness}; it must be 0 or more.")
+        if config.sync and config.staleness:
+            raise StrategyError(f"Strategy {strategy_id}: '{var_name}' has sync true and "
+                                f"staleness {config.staleness}; bounded staleness needs sync "
+                                "false.")
+        if not config.sync and not config.staleness:
+            raise StrategyError(f"Strategy {strategy_id}: '{var_name}' has sync false (or "
+                                "unset) and staleness 0, which asks for unbounded asynchrony; "
+                                "it is not built. Set sync true for synchronous training, or a "
+                                "staleness of 1 or more.")
+
+    def __init__(self, ctx: KernelContext, keys):
+        super().__init__(ctx, keys)
+        self._staleness = 0      # the largest bound among the parts
+        self._proxy_parts = []   # parts the replicas read through proxies
+        self._sent = False       # gradients are sent to other nodes
+
+    def create_storage(self, part, initial_value: tf.Tensor) -> PartStorage:
+        shared, readers = create_ps_storage(part.name, initial_value, part.synchronizer, self.ctx)
+        return PartStorage(part, [shared], readers, self)
+
+    def initialization(self, storage: PartStorage) -> tuple:
+        shared = storage.copies[0]
+        # A cluster's proxies start from the shared value, once the chief has set it.
+        derived = ([r for r in storage.readers if r is not shared] if self.ctx.multi_node
+                   else [])
+        return [shared], derived
+
+    def synchronize(self, members: List[Member]) -> Reduced:
+        ctx, out = self.ctx, Reduced()
+        for member in members:
+            part, sync = member.storage.part, member.storage.part.synchronizer
+            self._staleness = max(self._staleness, sync.staleness)
+            if member.storage.readers[0] is not member.storage.copies[0]:
+                self._proxy_parts.append(member.storage)
+            if not ctx.multi_node:
+                out.remote_updates.append(member.update(reduce_ps_gradients(member.grads, sync,
+                                                                            ctx)))
+                continue
+            contribution = node_contribution(member.grads, sync, ctx)
+            if ctx.split_step:
+                store, contribution = stash(part.name, contribution, ctx)
+                out.local_ops.append(store)
+            sent, mean = accumulate_across_nodes(part.name, contribution, part.shape, sync, ctx)
+            out.remote_ops.append(sent)
+            if mean is not None:
+                out.remote_updates.append(member.update(mean))
+        self._sent = self._sent or bool(out.remote_ops)
+        return out
+
+    def chief_init_ops(self) -> list:
+        """Bounded staleness across nodes: workers may run ``staleness`` steps ahead,
+        and read each part at most its own staleness bound behind."""
+        ctx = self.ctx
+        if not (ctx.is_chief and ctx.multi_node):
+            return []
+        workers = range(1, ctx.num_nodes)
+        queues = [(token_queue(w, ctx), self._staleness) for w in workers if self._staleness]
+        queues += [(_part_token_queue(p, w, ctx), p.part.synchronizer.staleness)
+                   for p in self._proxy_parts if p.part.synchronizer.staleness for w in workers]
+        return [queue.enqueue_many([tf.zeros([staleness], tf.int64)])
+                for queue, staleness in queues]
+
+    def end_step(self, steps: list, updated: dict) -> list:
+        """After ``steps``: the chief's tokens to the workers (or a worker's wait), proxy refresh.
+
+        Each proxy is refreshed as soon as its own part is updated (a worker learns
+        of it through a token of that part): on a cluster, pulls of the parts
+        updated first then overlap the pushes of the others.
+        """
+        ctx = self.ctx
+        if ctx.multi_node and (self._sent or self._proxy_parts):
+            with tf.control_dependencies(steps):
+                if ctx.is_chief:
+                    steps = [token_queue(w, ctx).enqueue(tf.constant(0, tf.int64))
+                             for w in range(1, ctx.num_nodes)]
+                else:
+                    steps = [token_queue(ctx.node_index, ctx).dequeue()]
+        if not self._proxy_parts:
+            return steps
+        with tf.device(ctx.shared_device):
+            counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="autodist_step")
+            step = counter.assign_add(1)
+        refreshes, told = [], []
+        for part in self._proxy_parts:
+            shared = part.copies[0]
+            if shared.name in updated:  # this node updates the part, and tells the workers
+                gate = [updated[shared.name]]
+                with tf.control_dependencies(gate):
+                    told += [_part_token_queue(part, w, ctx).enqueue(tf.constant(0, tf.int64))
+                             for w in range(1, ctx.num_nodes)]
+            else:
+                gate = [_part_token_queue(part, ctx.node_index, ctx).dequeue()]
+            with tf.control_dependencies(gate):
+                refreshes.append(refresh_proxies(shared, part.readers,
+                                                 part.part.synchronizer.staleness, step))
+        return [*steps, *told, *refreshes]
+
+    def restore_targets(self, storage: PartStorage) -> list:
+        targets = super().restore_targets(storage)
+        if self.ctx.is_chief:
+            return targets
+        return [t for t in targets if t is not storage.copies[0]]  # the chief's to restore
+
+
+# --------------------------------------------------------------------------- costs
+# Traffic rules for a PS part on node ``D``, each replica's gradient ``g`` bytes
+# (the part's bytes, or for a sparse gradient the rows it touches) and the
+# part's value ``v`` bytes:
+#
+# * push: each replica on another node sends ``g`` to ``D``. With a
+#   ``transfer_destination``, or when a multi-node step is split because the
+#   strategy mixes PS and AllReduce (README), a node sums its replicas' gradients
+#   first and sends one dense ``g``; sparse sums concatenate rows, so they do not
+#   shrink.
+# * pull: each remote replica reads ``v``; a whole sparse-gradient variable is
+#   read by a gather on its server, so only the touched rows travel, but a
+#   partitioned one is read whole, since the partitioner re-stitches its parts
+#   before the lookup. With a local proxy (``local_replication``, a staleness
+#   bound or a split step) each remote node copies the whole part once: one
+#   read feeds all the node's proxies, and TensorFlow's master cuts a graph by
+#   worker, not by device, so the value crosses the network once per node.
+# * staleness ``s`` refreshes proxies every ``s + 1`` steps, so pulls are divided
+#   by ``s + 1``; pushes are not, since every gradient is still applied.
+# * replicas on ``D`` itself load ``D``'s local bus instead of its NIC.
+#
+# When those bytes move in a step is given by PHASES.
+
+PHASES = ("push", "refresh", "read")
+"""How PS bytes move in a synchronous step: gradients are pushed to the
+servers; a proxy is refreshed as soon as its own part is updated, so refreshes
+overlap the pushes of the parts still arriving; replicas without a proxy read
+the servers in the next step's forward pass, after every update."""
+_PUSH, _REFRESH, _READ = range(len(PHASES))
+_IN, _OUT, _LOCAL = (DIRECTIONS.index(d) for d in ("in", "out", "local"))
+
+
+class PSFlows(NamedTuple):
+    """How PS parts' bytes move each step, one entry per part; loads are linear in push and read."""
+
+    server: np.ndarray     # index into the parts' servers
+    push_once: np.ndarray  # a node sends one summed gradient, not one per replica
+    proxy: np.ndarray      # a node pulls one copy for all its replicas
+    push: np.ndarray       # one replica's gradient bytes
+    read: np.ndarray       # bytes one read moves, already divided by the refresh period
+
+
+def ps_flows(parts, index: np.ndarray, split_step: bool) -> PSFlows:
+    """Applies the traffic rules above to the PS parts ``index`` of ``parts`` (``SyncParts``)."""
+    proxy = parts.proxy[index] | split_step
+    sparse = parts.sparse[index]
+    grad_bytes = parts.grad_bytes[index]
+    partitioned = np.bincount(parts.row, minlength=len(parts.variables))[parts.row[index]] > 1
+    read = np.where(sparse & ~proxy & ~partitioned, grad_bytes, parts.value_bytes[index])
+    return PSFlows(parts.server[index], (parts.aggregate[index] | split_step) & ~sparse, proxy,
+                   np.where(parts.has_grad[index], grad_bytes, 0.0),
+                   read / (parts.staleness[index] + 1))
+
+
+def ps_loads(flows: PSFlows, servers: List[str],
+             cluster: ClusterView) -> Tuple[List[str], np.ndarray]:
+    """The bytes each flow puts on every resource per step.
+
+    Args:
+        flows: from :func:`ps_flows`.
+        servers: the node addresses ``flows.server`` indexes.
+        cluster: the replicas per node.
+
+    Returns:
+        tuple: (the nodes: the replicas' first, then other servers; the bytes,
+        ``[phase (PHASES), node, direction (DIRECTIONS), flow]``).
+    """
+    nodes, server_node = cluster.step_nodes(servers)
+    server = server_node[flows.server]
+    flow = np.arange(len(server))
+    loads = np.zeros((len(PHASES), len(nodes), len(DIRECTIONS), len(server)))
+    push, pull = loads[_PUSH], np.zeros_like(loads[_PUSH])
+    for node, count in enumerate(cluster.replicas_per_node.values()):
+        here = server == node
+        reads = np.where(flows.proxy, flows.read, count * flows.read)
+        push[node, _LOCAL] += np.where(here, count * flows.push, 0.0)
+        pull[node, _LOCAL] += np.where(here, reads, 0.0)
+        sent = np.where(here, 0.0, np.where(flows.push_once, flows.push, count * flows.push))
+        reads = np.where(here, 0.0, reads)
+        push[node, _OUT] += sent
+        push[server, _IN, flow] += sent
+        pull[server, _OUT, flow] += reads
+        pull[node, _IN] += reads
+    loads[_REFRESH] = np.where(flows.proxy, pull, 0.0)
+    loads[_READ] = np.where(flows.proxy, 0.0, pull)
+    return nodes, loads
+
+
+def _busiest(per_flow: np.ndarray) -> Tuple[float, int, int]:
+    """(seconds, node, direction) of the busiest resource of ``[node, direction, flow]`` times."""
+    per_resource = per_flow.sum(axis=2)
+    node, direction = np.unravel_index(np.argmax(per_resource), per_resource.shape)
+    return float(per_resource[node, direction]), int(node), int(direction)
+
+
+def _transfer(parts, index: np.ndarray, cluster: ClusterView, split_step: bool) -> tuple:
+    """(``ps_transfer`` seconds, each part's share of it, the binding resources or None).
+
+    Refreshes overlap the pushes, but a part's refresh follows its own push.
+    Each server's pushes arrive together, so its largest refresh comes last: the
+    busiest resource of pushes and refreshes binds, or else that of the pushes,
+    then those last refreshes. Direct reads come after every update and add up.
+    """
+    flows = ps_flows(parts, index, split_step)
+    nodes, loads = ps_loads(flows, parts.servers, cluster)
+    rates = np.array([[cluster.gbps((node, direction)) for direction in DIRECTIONS]
+                      for node in nodes])
+    push, refresh, read = (seconds(phase, rates[:, :, None]) for phase in loads)
+    transfer, share, bindings = 0.0, 0.0, []
+    refresh_times = refresh.max(axis=(0, 1))  # each part's, on its busiest resource
+    last = np.zeros(len(index), dtype=bool)
+    for server in np.unique(flows.server[refresh_times > 0]):
+        on_server = np.flatnonzero(flows.server == server)
+        last[on_server[np.argmax(refresh_times[on_server])]] = True
+    overlapped, node, direction = _busiest(push + refresh)
+    after_pushes, push_node, push_direction = _busiest(push)
+    tail, tail_node, tail_direction = _busiest(np.where(last, refresh, 0.0))
+    if after_pushes + tail > overlapped:
+        transfer = after_pushes + tail
+        share = push[push_node, push_direction] + refresh[tail_node, tail_direction] * last
+        bindings.append(f"{nodes[push_node]} {DIRECTIONS[push_direction]} (push), "
+                        f"{nodes[tail_node]} {DIRECTIONS[tail_direction]} (last refreshes)")
+    elif overlapped:
+        transfer = overlapped
+        share = (push + refresh)[node, direction]
+        phases = "push, refresh" if last.any() else "push"
+        bindings.append(f"{nodes[node]} {DIRECTIONS[direction]} ({phases})")
+    reading, node, direction = _busiest(read)
+    if reading:
+        transfer += reading
+        share = share + read[node, direction]
+        bindings.append(f"{nodes[node]} {DIRECTIONS[direction]} (read)")
+    return transfer, np.broadcast_to(share, index.shape), ", ".join(bindings) or None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Knobs:
+    servers: tuple            # the PS devices that serve, the chief's first
+    dense_proxy_share: float
+    sparse_proxy_share: float
+    aggregate_share: float
+    staleness: int
+
+
+class _PSSampling(KindSampling):
+    """The sampler's PS choices: servers, proxies, node sums, staleness; balanced placement."""
+
+    def __init__(self, variables: list, resource_spec, constraints):
+        self._devices = common.ps_device_names(resource_spec)
+        self._max_staleness = constraints.max_staleness
+        self._pinned_bytes = sum(v.size_bytes for v in variables if not v.has_grad)
+        # Summing a node's replicas first only changes something on a cluster with
+        # a node of several replicas.
+        per_node = collections.Counter(d.host_address for d in resource_spec.replica_devices)
+        self._can_aggregate = len(per_node) > 1 and max(per_node.values()) > 1
+        # Node configs are copied from templates: protobuf field setters cost more
+        # than one CopyFrom.
+        self._templates = {}
+
+    def draw_knobs(self, rng: random.Random) -> _Knobs:
+        chosen = set(rng.sample(self._devices, rng.randint(1, len(self._devices))))
+        return _Knobs(servers=tuple(d for d in self._devices if d in chosen),
+                      dense_proxy_share=draw_share(rng), sparse_proxy_share=draw_share(rng),
+                      aggregate_share=draw_share(rng) if self._can_aggregate else 0.0,
+                      staleness=(rng.randint(0, self._max_staleness) if self._max_staleness
+                                 else 0))
+
+    def plan(self, var, knobs: _Knobs, rng: random.Random) -> Tuple[bool, bool]:
+        """(a local proxy, nodes sum their replicas' gradients first)."""
+        proxy = rng.random() < (knobs.sparse_proxy_share if var.sparse_grad
+                                else knobs.dense_proxy_share)
+        return proxy, rng.random() < knobs.aggregate_share
+
+    def configs(self, units: list, knobs: _Knobs, rng: random.Random) -> dict:
+        items = [(name, size) for _, plan in units for name, size in zip(plan.names, plan.sizes)]
+        # Variables without a gradient sit on the chief's CPU: count them when it serves.
+        pinned = ({self._devices[0]: self._pinned_bytes}
+                  if self._devices[0] in knobs.servers else None)
+        placement = common.balanced_placement(items, knobs.servers, pinned)[0]
+        return {name: self._template(placement[name], *plan.choices, knobs.staleness)
+                for _, plan in units for name in plan.names}
+
+    def _template(self, device: str, proxy: bool, aggregate: bool, staleness: int):
+        key = (device, proxy, aggregate, staleness)
+        if key not in self._templates:
+            # On a cluster any transfer_destination makes every node sum its own replicas.
+            self._templates[key] = common.ps_node_config(
+                "", device, proxy, sync=staleness == 0, staleness=staleness,
+                transfer_destination=device if aggregate else "")
+        return self._templates[key]
+
+def _part_token_queue(part: PartStorage, worker: int, ctx: KernelContext) -> tf.queue.FIFOQueue:
+    """The queue telling worker ``worker`` that ``part`` is updated, beside the part.
+
+    On the part's own device, a worker's wait and its read of the new value run
+    there together, without a round trip of their own.
+    """
+    return token_queue(worker, ctx, f"updated_{part.part.name}",
+                       device=ctx.tf_device(part.part.synchronizer.reduction_destination))
+
+
+def create_ps_storage(name: str, initial_value: tf.Tensor, sync, ctx: KernelContext):
+    """Creates the shared variable and, when asked for, the replicas' proxies.
+
+    Proxies exist with ``local_replication``, a staleness bound, or when the step
+    is split (a collective step may only read local copies): replicas then read a
+    local copy that is refreshed after updates, not the shared one. On a cluster
+    a proxy starts from the shared value (the chief's initial value).
+
+    Returns:
+        (shared variable, list of what each replica reads)
+    """
+    with tf.device(ctx.tf_device(sync.reduction_destination)):
+        shared = tf.Variable(initial_value, name=name)
+    if not (sync.local_replication or sync.staleness > 0 or ctx.split_step):
+        return shared, [shared] * ctx.num_replicas
+    start = shared.read_value() if ctx.multi_node else initial_value
+    proxies = []
+    for replica in range(ctx.num_replicas):
+        with tf.device(ctx.replica_tf_device(replica)):
+            proxies.append(tf.Variable(start, trainable=False,
+                                       name=f"{replica_scope(replica)}/{name}/proxy"))
+    return shared, proxies
+
+
+def reduce_ps_gradients(grads: list, sync, ctx: KernelContext):
+    """Averages the replicas' gradients of one part on its destination.
+
+    Args:
+        grads: one dense tensor or IndexedSlices per replica.
+        sync: the part's PSSynchronizer.
+
+    Returns:
+        the mean gradient, dense or IndexedSlices like the inputs.
+    """
+    num = float(len(grads))
+    if sync.transfer_destination:
+        with tf.device(ctx.tf_device(sync.transfer_destination)):
+            grads = [_sum(grads)]
+    with tf.device(ctx.tf_device(sync.reduction_destination)):
+        total = _sum(grads)
+        if isinstance(total, tf.IndexedSlices):
+            return tf.IndexedSlices(total.values / num, total.indices, total.dense_shape)
+        return total / num
+
+
+def _sum(grads: list):
+    if len(grads) == 1:
+        return grads[0]
+    if isinstance(grads[0], tf.IndexedSlices):
+        # Duplicate rows stay; the optimizers sum duplicate indices themselves.
+        return tf.IndexedSlices(tf.concat([g.values for g in grads], 0),
+                                tf.concat([tf.cast(g.indices, tf.int64) for g in grads], 0),
+                                grads[0].dense_shape)
+    return tf.add_n(grads)
+
+
+def refresh_proxies(shared: tf.Variable, proxies: list, staleness: int,
+                    step: tf.Tensor) -> tf.Operation:
+    """Copies the shared value to the proxies; with staleness s, every s + 1 steps."""
+    def copy():
+        value = shared.read_value()
+        return tf.group(*[p.assign(value) for p in proxies])
+    if staleness == 0:
+        return copy()
+    return tf.cond(tf.equal(step % (staleness + 1), 0), lambda: tf.group(copy()), tf.no_op)
+
+
+# Applications are never dropped as stale: the token queues below keep nodes in step.
+_ALWAYS_FRESH = 2 ** 62
+
+
+def node_contribution(grads: list, sync, ctx: KernelContext):
+    """This node's share of a part's gradient: its replicas' sum / all replicas.
+
+    The shares of all nodes add up to the mean over every replica of the
+    cluster, whatever the number of replicas per node. With a
+    ``transfer_destination``, or in a split step, the node sums its replicas'
+    gradients on its own CPU and pushes one tensor; otherwise the sum happens
+    on the destination, so every replica's gradient crosses the network.
+    """
+    if sync.transfer_destination or ctx.split_step:
+        device = ctx.shared_device
+    else:
+        device = ctx.tf_device(sync.reduction_destination)
+    with tf.device(device):
+        total = _sum(grads)
+        scale = 1.0 / ctx.total_replicas
+        if isinstance(total, tf.IndexedSlices):
+            return tf.IndexedSlices(total.values * scale, total.indices, total.dense_shape)
+        return total * scale
+
+
+def accumulate_across_nodes(name: str, contribution, shape: tuple, sync,
+                            ctx: KernelContext):
+    """Sends this node's contribution to the part's accumulator on its destination.
+
+    Returns:
+        (apply op, on the chief the sum of all nodes' contributions, else None)
+    """
+    if isinstance(contribution, tf.IndexedSlices):
+        return _gather_across_nodes(name, contribution, shape, sync, ctx)
+    with tf.device(ctx.tf_device(sync.reduction_destination)):
+        # SUM: the contributions are already scaled to add up to the mean.
+        accumulator = tf.compat.v1.ConditionalAccumulator(
+            contribution.dtype, shape=shape, shared_name=f"{name}/accumulator",
+            name=f"{name}/accumulator", reduction_type="SUM")
+        apply = accumulator.apply_grad(contribution, local_step=_ALWAYS_FRESH)
+        if not ctx.is_chief:
+            return apply, None
+        with tf.control_dependencies([apply]):
+            mean = accumulator.take_grad(ctx.num_nodes)
+    return apply, mean
+
+
+def _gather_across_nodes(name: str, contribution: tf.IndexedSlices, shape: tuple, sync,
+                         ctx: KernelContext):
+    """A sparse part's contributions, concatenated in node order on the chief.
+
+    Every node queues its rows on the destination, one queue per node; the chief
+    takes one item from each, in node order. Duplicate rows stay as they are, in
+    the order one device would see them: an optimizer that squares a sparse
+    gradient's rows (Keras's Adam) must see the same rows as on one device.
+    """
+    def queue(node):
+        return tf.queue.FIFOQueue(capacity=-1, dtypes=[contribution.dtype, tf.int64],
+                                  shared_name=f"{name}/sparse_from_{node}",
+                                  name=f"{name}/sparse_from_{node}")
+
+    with tf.device(ctx.tf_device(sync.reduction_destination)):
+        apply = queue(ctx.node_index).enqueue(
+            [contribution.values, tf.cast(contribution.indices, tf.int64)])
+        if not ctx.is_chief:
+            return apply, None
+        with tf.control_dependencies([apply]):
+            pieces = [queue(node).dequeue() for node in range(ctx.num_nodes)]
+        row_shape = tf.TensorShape(shape[1:])
+        values = [tf.ensure_shape(v, tf.TensorShape([None]).concatenate(row_shape))
+                  for v, _ in pieces]
+        indices = [tf.ensure_shape(i, [None]) for _, i in pieces]
+        mean = tf.IndexedSlices(tf.concat(values, 0), tf.concat(indices, 0),
+                                tf.constant(shape, tf.int64))
+    return apply, mean
+
+
+def stash(name: str, contribution, ctx: KernelContext):
+    """Keeps this node's contribution in local variables between a step's two runs.
+
+    Returns:
+        (op storing it, run by the collective run; the stored value, read by the
+        PS run), a dense tensor or IndexedSlices like ``contribution``
+    """
+    def holder(value, suffix):
+        return tf.Variable(tf.zeros([0] * value.shape.rank, value.dtype), shape=tf.TensorShape(None),
+                           trainable=False, collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES],
+                           name=f"{name}/stash_{suffix}")
+
+    with tf.device(ctx.shared_device):
+        if isinstance(contribution, tf.IndexedSlices):
+            indices = tf.cast(contribution.indices, tf.int64)
+            values_var, indices_var = holder(contribution.values, "values"), holder(indices, "indices")
+            store = tf.group(values_var.assign(contribution.values, read_value=False),
+                             indices_var.assign(indices, read_value=False))
+            return store, tf.IndexedSlices(values_var.read_value(), indices_var.read_value(),
+                                           contribution.dense_shape)
+        values_var = holder(contribution, "values")
+        return values_var.assign(contribution, read_value=False), values_var.read_value()
