@@ -251,6 +251,7 @@ class AutoDist:
                              chief_device=tf_devices[cpu[spec.chief]],
                              node_index=role.task_index, num_nodes=len(spec.nodes),
                              group_size=len(strategy.replicas),
+                             all_replicas=tuple(strategy.replicas),
                              has_collectives=any(kind.collective for kind in kinds),
                              has_remote_ops=any(kind.remote_ops for kind in kinds),
                              state_per_node=item.state_per_node)

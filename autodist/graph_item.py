@@ -58,6 +58,9 @@ class PartUpdate:
         name: the original variable's name.
         part: which part of the variable this is (0 when it is whole).
         plan: how the variable is cut (a ``PartitionPlan``), or None when whole.
+        shard: ``(offset, size)``: the copy holds ``size`` elements of the
+            flattened part from ``offset`` on (the last shard padded with zeros
+            past the part's end), or None when it holds the whole part.
     """
 
     gradient: object
@@ -65,6 +68,7 @@ class PartUpdate:
     name: str
     part: int = 0
     plan: Optional[object] = None
+    shard: Optional[tuple] = None
 
 
 @dataclasses.dataclass(frozen=True)

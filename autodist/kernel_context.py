@@ -21,6 +21,8 @@ class KernelContext:
         node_index: this node's position in the cluster; 0 is the chief.
         num_nodes: nodes in the cluster.
         group_size: replicas in the whole cluster (0: this node's replicas).
+        all_replicas: strategy device strings of every replica of the cluster,
+            in the strategy's order (empty: this node's replicas).
         has_collectives: parts with a gradient are of a kind that reduces
             through collectives (``SynchronizerKind.collective``).
         has_remote_ops: parts with a gradient are of a kind whose step runs ops
@@ -37,6 +39,7 @@ class KernelContext:
     node_index: int = 0
     num_nodes: int = 1
     group_size: int = 0
+    all_replicas: tuple = ()
     has_collectives: bool = False
     has_remote_ops: bool = False
     state_per_node: bool = False
@@ -48,6 +51,15 @@ class KernelContext:
     @property
     def total_replicas(self) -> int:
         return self.group_size or self.num_replicas
+
+    @property
+    def replicas(self) -> tuple:
+        """Every replica of the cluster, in the strategy's order."""
+        return self.all_replicas or self.replica_devices
+
+    def replica_index(self, replica: int) -> int:
+        """This node's replica ``replica``'s position among :attr:`replicas`."""
+        return self.replicas.index(self.replica_devices[replica])
 
     @property
     def is_chief(self) -> bool:

@@ -229,18 +229,18 @@ class KerasUpdate:
     def _apply_part(self, update: PartUpdate, common: dict, state_handles: dict) -> tf.Operation:
         call, stages = self._call, self._call.stages
         ops = stages.per_variable[update.name]
-        if update.plan is not None:
+        if update.plan is not None or update.shard is not None:
             reducing = sorted({call.nodes[op].op for op in ops} & set(_NOT_ELEMENTWISE))
             if reducing:
                 raise NotImplementedError(
-                    f"AutoDist cannot partition '{update.name}' under {call.optimizer_name}: "
+                    f"AutoDist cannot cut '{update.name}' under {call.optimizer_name}: "
                     f"its update is not elementwise (it uses {', '.join(reducing)}); use a "
                     "strategy that keeps the variable whole.")
         handles = dict(state_handles)
         with tf.device(update.variable.device):
             for key in stages.slots[update.name]:
                 slot = _state_variable(call.state_values[key], f"{update.variable.op.name}/{key}",
-                                       update.plan, update.part)
+                                       update)
                 self._slots[(update.variable.name, key)] = slot
                 handles[key] = slot.handle
             handles[update.name] = update.variable.handle
@@ -272,6 +272,11 @@ class KerasUpdate:
                     f"variables (e.g. global_clipnorm), but '{owner}' is updated elsewhere "
                     "under this strategy; use a strategy whose updates all run on one "
                     "node (all PS or all AllReduce).")
+            if any(p.shard is not None for p in parts):
+                raise NotImplementedError(
+                    f"{call.optimizer_name}'s update combines the gradients of several "
+                    f"variables, but the gradient of '{owner}' is sharded across replicas "
+                    "under this strategy; use a strategy that keeps its updates whole.")
             if parts[0].plan is None:
                 return _component(parts[0].gradient, key, dtype, parts[0].variable)
             parts = sorted(parts, key=lambda u: u.part)
@@ -285,7 +290,7 @@ class KerasUpdate:
 
         handles = dict(state_handles)
         for update in updates:
-            if update.plan is None:
+            if update.plan is None and update.shard is None:
                 handles[update.name] = update.variable.handle
         return self._inputs(call.stages.common, gradient, handles, {})
 
@@ -332,10 +337,17 @@ class KerasUpdate:
                 if self._call.nodes[name].op in RESOURCE_WRITES]
 
 
-def _state_variable(value: np.ndarray, name: str, plan=None, part: int = 0) -> tf.Variable:
-    """A variable of the optimizer's state starting at ``value`` (or its ``part``)."""
-    if plan is not None:
-        value = np.split(value, np.cumsum(plan.sizes)[:-1], axis=plan.axis)[part]
+def _state_variable(value: np.ndarray, name: str, update: Optional[PartUpdate] = None
+                    ) -> tf.Variable:
+    """A variable of the optimizer's state starting at ``value``, or at the piece of it
+    that ``update``'s copy holds (its part, its shard)."""
+    if update is not None and update.plan is not None:
+        value = np.split(value, np.cumsum(update.plan.sizes)[:-1],
+                         axis=update.plan.axis)[update.part]
+    if update is not None and update.shard is not None:
+        offset, size = update.shard
+        value = value.reshape(-1)[offset:offset + size]
+        value = np.pad(value, (0, size - len(value)))
     initial = tf.zeros(value.shape, value.dtype) if not value.any() else tf.constant(value)
     return tf.Variable(initial, trainable=False, name=name.replace(":", "_"))
 

@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from autodist.kernels import partitioner
 from autodist.partition import PartitionPlan
+from autodist.synchronizers.base import Target
 from autodist.kernels.transformer import DistributedGraph, VariableStorage
 
 
@@ -25,21 +26,21 @@ class Location:
     Attributes:
         value: builds the full value to save, or None where this node cannot read
             it (a worker has no slots of the PS variables).
-        parts: per part of the variable, the variables on this node that a
-            restore assigns that part's slice to.
+        parts: per part of the variable, the ``Target``s on this node that a
+            restore assigns (their piece of) that part's slice to.
         plan: how the variable is cut, or None when it is whole.
     """
 
     value: Optional[Callable[[], tf.Tensor]]
-    parts: List[list]
+    parts: List[List[Target]]
     plan: Optional[PartitionPlan] = None
 
     def restore(self, full_value: tf.Tensor) -> tf.Operation:
         """Assigns ``full_value`` (the original layout) to every target."""
         slices = ([full_value] if self.plan is None
                   else partitioner.split_value(full_value, self.plan))
-        return tf.group(*[target.assign(piece) for piece, targets in zip(slices, self.parts)
-                          for target in targets])
+        return tf.group(*[target.variable.assign(target.take(piece) if target.take else piece)
+                          for piece, targets in zip(slices, self.parts) for target in targets])
 
 
 class Locator:
@@ -70,7 +71,7 @@ class Locator:
         if name in distributed.shared_variables:
             variable = distributed.shared_variables[name]
             owned = not (distributed.ctx.shared_variables_on_chief and not distributed.ctx.is_chief)
-            return Location(variable.read_value, [[variable] if owned else []])
+            return Location(variable.read_value, [[Target(variable)] if owned else []])
         return None
 
     def _trainable(self, storage: VariableStorage) -> Location:
@@ -78,17 +79,18 @@ class Locator:
         return Location(storage.full_value, parts, storage.compiled.plan)
 
     def _slot(self, storage: VariableStorage, slot_name: str) -> Location:
-        parts, firsts = [], []
-        for part in storage.parts:
-            slots = [self._slot_variable(copy, slot_name) for copy in part.copies]
-            firsts.append(slots[0])
-            parts.append([s for s in slots if s is not None])
+        def slot_of(copy):
+            return self._slot_variable(copy, slot_name)
+
+        parts = [part.synchronizer.slot_targets(part, slot_of) for part in storage.parts]
+        reads = [part.synchronizer.slot_value(part, slot_of) for part in storage.parts]
+
         def value():
             with tf.device(storage.device):
-                reads = [s.read_value() for s in firsts]
-                return reads[0] if storage.compiled.plan is None else partitioner.stitch(
-                    reads, storage.compiled.plan)
-        readable = all(s is not None for s in firsts)
+                values = [read() for read in reads]
+                return values[0] if storage.compiled.plan is None else partitioner.stitch(
+                    values, storage.compiled.plan)
+        readable = all(read is not None for read in reads)
         return Location(value if readable else None, parts, storage.compiled.plan)
 
     def _slot_variable(self, copy: tf.Variable, slot_name: str) -> Optional[tf.Variable]:
@@ -104,5 +106,5 @@ class Locator:
             o.non_slot_variables(graph) for o in self._distributed.optimizers)
             if key in variables]
         value = copies[0].read_value if copies else None
-        return Location(value, [copies])
+        return Location(value, [[Target(copy) for copy in copies]])
 

@@ -114,7 +114,7 @@ def transform(item: GraphItem, compiled: CompiledStrategy, ctx: KernelContext) -
         state_writes = replicator.replicate(
             item, ctx, {n: s.handles for n, s in result.storage.items()}, deferred)
         reduced = _synchronize(result, synchronizers)
-        result.train_op, result.remote_step_op = _apply_updates(
+        result.train_op, result.remote_step_op, foreign = _apply_updates(
             item, reduced, list(synchronizers.values()), shared_variables, ctx,
             result.optimizers)
         if state_writes:
@@ -122,21 +122,28 @@ def transform(item: GraphItem, compiled: CompiledStrategy, ctx: KernelContext) -
                                        name="autodist_train_op_and_state")
         _reconnect(result, deferred)
         _plan_initialization(result, list(shared_variables.values()),
-                             list(synchronizers.values()))
+                             list(synchronizers.values()), foreign)
     return result
 
 
 def _plan_initialization(result: DistributedGraph, shared_variables: list,
-                         synchronizers: list) -> None:
+                         synchronizers: list, foreign: set) -> None:
+    """Which variables this node initializes, in which phase (see ``DistributedGraph``).
+
+    Args:
+        foreign: variables another node initializes (the slots of its updates).
+    """
     ctx = result.ctx
     everything = (tf.compat.v1.global_variables() + tf.compat.v1.local_variables())
-    derived = set()
+    derived, elsewhere = set(), set(foreign)
     chief_owned = set(shared_variables) if ctx.shared_variables_on_chief else set()
     for storage in result.storage.values():
         for part in storage.parts:
-            owned, copies = part.synchronizer.initialization(part)
-            chief_owned.update(owned)
-            derived.update(copies)
+            ownership = part.synchronizer.initialization(part)
+            chief_owned.update(ownership.chief)
+            derived.update(ownership.derived)
+            elsewhere.update(ownership.elsewhere)
+    everything = [v for v in everything if v not in elsewhere]
     # What the chief owns (a PS variable and its slots) exists in its graph alone.
     first = [v for v in everything if v not in derived and (ctx.is_chief or v not in chief_owned)]
     prefill = [op for synchronizer in synchronizers for op in synchronizer.chief_init_ops()]
@@ -210,8 +217,8 @@ def _synchronize(result: DistributedGraph, synchronizers: dict) -> Reduced:
     for field, synchronizer in synchronizers.items():  # in the registry's order, on every node
         if members[field]:
             reduced = synchronizer.synchronize(members[field])
-            for attribute in ("local_ops", "local_updates", "remote_ops", "remote_updates"):
-                getattr(out, attribute).extend(getattr(reduced, attribute))
+            for column in dataclasses.fields(Reduced):
+                getattr(out, column.name).extend(getattr(reduced, column.name))
     return out
 
 
@@ -265,7 +272,8 @@ def _apply_updates(item: GraphItem, reduced: Reduced, synchronizers: list,
             are the checkpoint's).
 
     Returns:
-        (the train op, the op of a split step's second run or None)
+        (the train op, the op of a split step's second run or None, the variables
+        of the foreign updates' optimizer copies, which another node initializes)
     """
     graph = tf.compat.v1.get_default_graph()
     call = item.optimizer_call
@@ -289,6 +297,10 @@ def _apply_updates(item: GraphItem, reduced: Reduced, synchronizers: list,
         updated.update((u.variable.name, op) for u, op in zip(updates, per_variable))
         return op
 
+    def after_local_updates():
+        return [op for synchronizer in synchronizers
+                for op in synchronizer.after_local_updates(updated)]
+
     def end_step(steps, name):
         for synchronizer in synchronizers:
             steps = synchronizer.end_step(steps, updated)
@@ -300,14 +312,23 @@ def _apply_updates(item: GraphItem, reduced: Reduced, synchronizers: list,
         updates = reduced.remote_updates + reduced.local_updates
         steps = reduced.remote_ops + reduced.local_ops + (
             [apply(updates, counts_step)] if updates else [])
-        return end_step(steps, "autodist_train_op"), None
-    local = [apply(reduced.local_updates, counts_step)] if reduced.local_updates else []
-    first = tf.group(*reduced.local_ops, *local, name="autodist_train_op")
-    # Each part's update waits for its own gradient only, so that its proxies'
-    # refresh overlaps the pushes of the parts still arriving.
-    steps = reduced.remote_ops + (
-        [apply(reduced.remote_updates, False)] if reduced.remote_updates else [])
-    return first, end_step(steps, "autodist_remote_step")
+        train_op, remote_op = end_step(steps + after_local_updates(), "autodist_train_op"), None
+    else:
+        local = [apply(reduced.local_updates, counts_step)] if reduced.local_updates else []
+        train_op = tf.group(*reduced.local_ops, *local, *after_local_updates(),
+                            name="autodist_train_op")
+        # Each part's update waits for its own gradient only, so that its proxies'
+        # refresh overlaps the pushes of the parts still arriving.
+        steps = reduced.remote_ops + (
+            [apply(reduced.remote_updates, False)] if reduced.remote_updates else [])
+        remote_op = end_step(steps, "autodist_remote_step")
+    foreign = set()
+    if reduced.foreign_updates:
+        before = set(tf.compat.v1.global_variables() + tf.compat.v1.local_variables())
+        apply(reduced.foreign_updates, False)  # for the slots only: never run here
+        after = tf.compat.v1.global_variables() + tf.compat.v1.local_variables()
+        foreign = {v for v in after if v not in before}
+    return train_op, remote_op, foreign
 
 
 def _reconnect(result: DistributedGraph, deferred: list) -> None:

@@ -245,7 +245,8 @@ class CostModel:
             if not index.size:
                 continue
             cost = kind.cost(parts, index, cluster, split_step)
-            features.update(cost.features)
+            for name, value in cost.features.items():  # kinds may share a component
+                features[name] += value
             charged.extend(_interleave(part, *specs) for part, specs in cost.charges)
             if cost.binding:
                 bindings.append(cost.binding)
@@ -324,9 +325,8 @@ def _update_charges(parts: SyncParts, of_kind: list, cluster: ClusterView
     shares = np.zeros((len(nodes), len(parts.names)))
     for kind, index in of_kind:
         if index.size:
-            shares[:, index] = kind.update_shares(parts, index, len(nodes),
-                                                  server_node[parts.server[index]],
-                                                  len(cluster.replicas_per_node))
+            shares[:, index] = kind.update_shares(parts, index, nodes,
+                                                  server_node[parts.server[index]], cluster)
     updated = np.flatnonzero(parts.has_grad)
     gigabytes = parts.value_bytes[updated] / 1e9
     shares = shares[:, updated]

@@ -84,7 +84,7 @@ def compile_strategy(strategy: Strategy, graph_item: GraphItem,
     for info in graph_item.trainable_variables:
         compiled[info.name] = _compile_variable(configs[info.name], info, devices, strategy.id)
     for kind in KINDS.values():
-        kind.check_variables(list(compiled.values()), strategy.id)
+        kind.check_variables(list(compiled.values()), strategy.id, len(replicas))
     return CompiledStrategy(strategy=strategy, variables=compiled)
 
 

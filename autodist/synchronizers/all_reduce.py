@@ -29,8 +29,9 @@ from autodist.proto import synchronizers_pb2
 from autodist.strategy import common
 from autodist.strategy.base import StrategyError
 from autodist.synchronizers.base import (COLLECTIVE_GROUP_KEY, CollectiveKeys, KindCost,
-                                         KindSampling, Member, PartStorage, Reduced,
-                                         SynchronizerKind, draw_share)
+                                         KindSampling, Member, Ownership, PartStorage, Reduced,
+                                         SynchronizerKind, balanced_groups, collective_numbers,
+                                         draw_group_count, draw_share)
 from autodist.synchronizers.compressor import LOSSY, compressor_class
 
 _CONFIG = synchronizers_pb2.AllReduceSynchronizer
@@ -73,7 +74,7 @@ class AllReduceSynchronizer(SynchronizerKind):
         sparse = index[parts.sparse[index]]
         gather = seconds((n - 1) * parts.grad_bytes[sparse], gbps)
         dense = index[~parts.sparse[index]]
-        _, first, collective = np.unique(_collectives(parts, dense), return_index=True,
+        _, first, collective = np.unique(collective_numbers(parts, dense), return_index=True,
                                          return_inverse=True)
         collective = np.argsort(np.argsort(first))[collective]  # numbered in launch order
         # Each dtype's collective moves its own bytes; the ring time is linear in them,
@@ -101,10 +102,10 @@ class AllReduceSynchronizer(SynchronizerKind):
                      ("all_reduce_part_overhead", 1.0, True)])])
 
     @classmethod
-    def update_shares(cls, parts, index: np.ndarray, num_nodes: int, server_node: np.ndarray,
-                      replica_nodes: int) -> np.ndarray:
+    def update_shares(cls, parts, index: np.ndarray, nodes: List[str], server_node: np.ndarray,
+                      cluster: ClusterView) -> np.ndarray:
         """Every node with replicas keeps a copy and updates it whole."""
-        on_node = (np.arange(num_nodes) < replica_nodes).astype(np.float64)
+        on_node = np.array([float(node in cluster.replicas_per_node) for node in nodes])
         return np.repeat(on_node[:, None], len(index), axis=1)
 
     @classmethod
@@ -114,7 +115,7 @@ class AllReduceSynchronizer(SynchronizerKind):
     @classmethod
     def traffic_keys(cls, parts, index: np.ndarray) -> np.ndarray:
         """Sparse parts share the gathers (0); dense ones their collective (from 1)."""
-        _, collective = np.unique(_collectives(parts, index), return_inverse=True)
+        _, collective = np.unique(collective_numbers(parts, index), return_inverse=True)
         return np.where(parts.sparse[index], 0, 1 + collective)
 
     @classmethod
@@ -136,7 +137,7 @@ class AllReduceSynchronizer(SynchronizerKind):
                     f"not one of {dict(zip(enum.keys(), enum.values()))}.")
 
     @classmethod
-    def check_variables(cls, variables: list, strategy_id: str) -> None:
+    def check_variables(cls, variables: list, strategy_id: str, num_replicas: int) -> None:
         """A group's dense gradients share one buffer, so its parts must agree on the compressor.
 
         Sparse gradients are gathered one by one, uncompressed, whatever their group.
@@ -162,10 +163,10 @@ class AllReduceSynchronizer(SynchronizerKind):
         copy, origin = create_all_reduce_storage(part.name, initial_value, self.ctx)
         return PartStorage(part, [copy], [copy] * self.ctx.num_replicas, self, origin)
 
-    def initialization(self, storage: PartStorage) -> tuple:
+    def initialization(self, storage: PartStorage) -> Ownership:
         if storage.origin is None:
-            return [], []
-        return [storage.origin], list(storage.copies)
+            return Ownership()
+        return Ownership(chief=[storage.origin], derived=list(storage.copies))
 
     def synchronize(self, members: List[Member]) -> Reduced:
         out = Reduced()
@@ -324,17 +325,9 @@ def _gather(tensor: tf.Tensor, group_size: int, instance_key: int) -> tf.Tensor:
         instance_key=instance_key, ordering_token=[])
 
 
-# --------------------------------------------------------------------------- costs
+# --------------------------------------------------------------------------- costs and sampling
 
 _GATHERS_PER_SPARSE_PART = 3  # the kernel gathers row counts, values and indices
-
-
-def _collectives(parts, index: np.ndarray) -> np.ndarray:
-    """The dense collective of each part ``index``, as a number per (group, dtype) pair.
-
-    The kernel gives each dtype of a group a buffer, and so a collective, of its own.
-    """
-    return parts.group[index] * (parts.dtype.max(initial=0) + 1) + parts.dtype[index]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -358,34 +351,18 @@ class _AllReduceSampling(KindSampling):
 
     def draw_knobs(self, rng: random.Random) -> _Knobs:
         c = self._constraints
-        # Log-uniform over 1..most: a uniform draw over hundreds of counts would
-        # almost never merge into a few large groups, often the fastest choice.
-        most = max(1, min(c.max_groups or self._most_units, self._most_units))
-        groups = min(most, int(math.exp(rng.uniform(0.0, math.log(most + 1)))))
-        return _Knobs(max(1, groups), draw_share(rng) if c.allow_fp16 else 0.0)
+        groups = draw_group_count(rng, min(c.max_groups or self._most_units, self._most_units))
+        return _Knobs(groups, draw_share(rng) if c.allow_fp16 else 0.0)
 
     def configs(self, units: list, knobs: _Knobs, rng: random.Random) -> Dict[str, object]:
-        """A group's gradients are concatenated into one buffer, so groups never mix
-        dtypes. Sparse units are gathered one by one whatever their group; they join
-        group 0. A group's compressor is drawn once for all its units."""
-        by_dtype: Dict[str, List] = {}
-        sparse_units: List[str] = []
-        for var, plan in units:
-            if var.sparse_grad:
-                sparse_units.extend(plan.names)
-            else:
-                by_dtype.setdefault(var.dtype, []).extend(zip(plan.names, plan.sizes))
-        groups: Dict[str, int] = {name: 0 for name in sparse_units}
+        """Groups of balanced bytes (:func:`balanced_groups`); a group's compressor is
+        drawn once for all its units."""
+        groups, dtypes = balanced_groups(units, knobs.groups)
         compressors: Dict[int, str] = {}
-        next_group = 0
-        for dtype, items in by_dtype.items():
-            ids = list(range(next_group, next_group + min(knobs.groups, len(items))))
-            groups.update(common.balanced_placement(items, ids)[0])
-            floating = np.issubdtype(np.dtype(dtype), np.floating)
-            for group in ids:
-                lossy = floating and rng.random() < knobs.fp16_share
-                compressors[group] = rng.choice(LOSSY) if lossy else "NoneCompressor"
-            next_group = ids[-1] + 1
+        for group, dtype in dtypes.items():
+            lossy = (np.issubdtype(np.dtype(dtype), np.floating)
+                     and rng.random() < knobs.fp16_share)
+            compressors[group] = rng.choice(LOSSY) if lossy else "NoneCompressor"
         compressors.setdefault(0, "NoneCompressor")
         # One config per compressor, copied per group: the helper's enum lookups
         # run a few times per sample rather than once per group.

@@ -5,11 +5,17 @@ class holds the kind's checks; an instance synchronizes the parts of that kind
 of one graph on one node, built by ``kernels/transformer.py`` in these steps:
 
 1. ``create_storage``   each part's stored copies and what each replica reads;
-2. ``initialization``   which copies the chief owns, which start from others;
-3. ``synchronize``      the replicas' gradients reduced into one mean per part,
-                        with the ops of the step's one or two runs;
-4. ``end_step``         work after the updates (telling workers, refreshes);
-5. ``restore_targets``  the copies a checkpoint restore assigns on this node.
+2. ``synchronize``      the replicas' gradients reduced into the updates of the
+                        copies the optimizer updates, with the ops of the
+                        step's one or two runs;
+3. ``after_local_updates``, ``end_step``
+                        work after the updates (gathers, telling workers,
+                        refreshes);
+4. ``initialization``   which variables the chief owns, which start from
+                        others, which another node initializes;
+5. ``restore_targets``, ``slot_targets``, ``slot_value``
+                        what a checkpoint restore assigns on this node and
+                        what a save or fetch reads.
 
 The class also tells the search about the kind, as numpy over the columns of a
 strategy's parts (``simulator/traffic.py``'s ``SyncParts``): its columns
@@ -20,14 +26,16 @@ features) and the sampler's choices (``sampling``).
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
-from typing import Any, Callable, ClassVar, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, ClassVar, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
 
 from autodist.graph_item import PartUpdate
 from autodist.kernel_context import KernelContext
+from autodist.strategy import common
 
 COLLECTIVE_GROUP_KEY = 1
 
@@ -38,11 +46,13 @@ class PartStorage:
 
     Attributes:
         part: the compiler's ``VariablePart``.
-        copies: the copies the optimizer updates on this node (first: the one
-            whose value is the part's).
+        copies: the copies holding the part's value on this node (first: the
+            one a fetch reads).
         readers: per replica, the variable it reads.
         synchronizer: the kind's instance that made it.
         origin: a copy on the chief that the others start from, or None.
+        shards: copies of pieces of the part that the optimizer updates
+            instead of ``copies`` (a sharded update), or empty.
     """
 
     part: object
@@ -50,6 +60,29 @@ class PartStorage:
     readers: list
     synchronizer: "SynchronizerKind"
     origin: Optional[tf.Variable] = None
+    shards: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A variable a restore assigns, and the piece of the part's value it holds."""
+
+    variable: tf.Variable
+    take: Optional[Callable[[tf.Tensor], tf.Tensor]] = None  # None: the whole value
+
+
+class Ownership(NamedTuple):
+    """Who initializes which variables of a part.
+
+    Attributes:
+        chief: variables the chief initializes (workers wait for them).
+        derived: copies initialized from another variable, in a second phase.
+        elsewhere: variables in this node's graph that another node initializes.
+    """
+
+    chief: Sequence = ()
+    derived: Sequence = ()
+    elsewhere: Sequence = ()
 
 
 @dataclasses.dataclass
@@ -77,12 +110,16 @@ class Reduced:
         local_updates: updates applied in the first run.
         remote_ops: ops the second run must run (sends to other nodes).
         remote_updates: updates applied in the second run.
+        foreign_updates: updates of copies that other nodes update, built
+            here only for their optimizer slots (which the chief saves and
+            fetches); never run on this node.
     """
 
     local_ops: list = dataclasses.field(default_factory=list)
     local_updates: list = dataclasses.field(default_factory=list)
     remote_ops: list = dataclasses.field(default_factory=list)
     remote_updates: list = dataclasses.field(default_factory=list)
+    foreign_updates: list = dataclasses.field(default_factory=list)
 
 
 class CollectiveKeys:
@@ -138,6 +175,52 @@ class KindSampling:
         raise NotImplementedError
 
 
+def balanced_groups(units: list, groups_per_dtype: int) -> Tuple[Dict[str, int], Dict[int, str]]:
+    """Unit name -> collective group for ``units``, and group -> its dtype.
+
+    A group's dense gradients share one buffer, so groups never mix dtypes: each
+    dtype gets up to ``groups_per_dtype`` groups carrying balanced bytes,
+    numbered on from the previous dtype's. Sparse units are gathered one by one
+    whatever their group; they join group 0.
+
+    Args:
+        units: ``(var, plan)`` pairs of a sampler (``KindSampling.configs``).
+    """
+    by_dtype: Dict[str, List] = {}
+    groups: Dict[str, int] = {}
+    for var, plan in units:
+        if var.sparse_grad:
+            groups.update((name, 0) for name in plan.names)
+        else:
+            by_dtype.setdefault(var.dtype, []).extend(zip(plan.names, plan.sizes))
+    dtypes: Dict[int, str] = {}
+    next_group = 0
+    for dtype, items in by_dtype.items():
+        ids = list(range(next_group, next_group + min(groups_per_dtype, len(items))))
+        groups.update(common.balanced_placement(items, ids)[0])
+        dtypes.update((group, dtype) for group in ids)
+        next_group = ids[-1] + 1
+    return groups, dtypes
+
+
+def collective_numbers(parts, index: np.ndarray) -> np.ndarray:
+    """The collective of each dense part ``index``, as a number per (group, dtype) pair.
+
+    A kind reducing a group in one buffer has a buffer, and so a collective, per dtype.
+    """
+    return parts.group[index] * (parts.dtype.max(initial=0) + 1) + parts.dtype[index]
+
+
+def draw_group_count(rng: random.Random, most: int) -> int:
+    """How many collective groups per dtype, from 1 to ``most``, log-uniform.
+
+    A uniform draw over hundreds of counts would almost never merge into a few
+    large groups, often the fastest choice.
+    """
+    most = max(1, most)
+    return max(1, min(most, int(math.exp(rng.uniform(0.0, math.log(most + 1))))))
+
+
 def draw_share(rng: random.Random) -> float:
     """A share in [0, 1]: 0 or 1 a quarter of the time each, else uniform."""
     draw = rng.random()
@@ -176,13 +259,13 @@ class SynchronizerKind:
         raise NotImplementedError
 
     @classmethod
-    def update_shares(cls, parts, index: np.ndarray, num_nodes: int, server_node: np.ndarray,
-                      replica_nodes: int) -> np.ndarray:
+    def update_shares(cls, parts, index: np.ndarray, nodes: List[str], server_node: np.ndarray,
+                      cluster) -> np.ndarray:
         """``[node, part]``: the share of each part ``index`` that each node updates.
 
         Args:
-            num_nodes: nodes of the step: first the ``replica_nodes`` with replicas.
-            server_node: per part, its server's index among the nodes, -1 for none.
+            nodes: nodes of the step, those with replicas first (as in ``cluster``).
+            server_node: per part, its server's index among ``nodes``, -1 for none.
         """
         raise NotImplementedError
 
@@ -209,8 +292,9 @@ class SynchronizerKind:
         """Raises StrategyError naming the field of ``config`` that is invalid."""
 
     @classmethod
-    def check_variables(cls, variables: list, strategy_id: str) -> None:
-        """Checks across parts, given every ``CompiledVariable``; raises StrategyError."""
+    def check_variables(cls, variables: list, strategy_id: str, num_replicas: int) -> None:
+        """Checks across parts, given every ``CompiledVariable`` and the replicas of the
+        strategy; raises StrategyError."""
 
     def __init__(self, ctx: KernelContext, keys: CollectiveKeys):
         self.ctx = ctx
@@ -219,15 +303,22 @@ class SynchronizerKind:
     def create_storage(self, part, initial_value: tf.Tensor) -> PartStorage:
         raise NotImplementedError
 
-    def initialization(self, storage: PartStorage) -> Tuple[list, list]:
-        """(variables the chief owns and initializes, copies initialized from another)."""
-        return [], []
+    def initialization(self, storage: PartStorage) -> Ownership:
+        return Ownership()
 
     def synchronize(self, members: List[Member]) -> Reduced:
         raise NotImplementedError
 
     def chief_init_ops(self) -> list:
         """Ops the chief of a cluster runs once at initialization, after ``synchronize``."""
+        return []
+
+    def after_local_updates(self, updated: dict) -> list:
+        """Ops of the step's (first) run that follow this node's updates (collectives).
+
+        Args:
+            updated: variable name -> the op updating it, for the updates this node applies.
+        """
         return []
 
     def end_step(self, steps: list, updated: dict) -> list:
@@ -238,9 +329,23 @@ class SynchronizerKind:
         """
         return steps
 
-    def restore_targets(self, storage: PartStorage) -> list:
-        """The variables on this node a restore assigns the part's value to."""
-        return _unique(storage.copies + storage.readers)
+    def restore_targets(self, storage: PartStorage) -> List[Target]:
+        """What a restore assigns the part's value to on this node."""
+        return [Target(v) for v in _unique(storage.copies + storage.readers)]
+
+    def slot_targets(self, storage: PartStorage, slot_of: Callable) -> List[Target]:
+        """What a restore assigns the part's slot value to on this node.
+
+        Args:
+            slot_of: a variable the optimizer updates -> its slot, or None.
+        """
+        slots = [slot_of(copy) for copy in storage.copies]
+        return [Target(slot) for slot in slots if slot is not None]
+
+    def slot_value(self, storage: PartStorage, slot_of: Callable) -> Optional[Callable]:
+        """What reads the part's slot value, whole; None where this node cannot."""
+        slot = slot_of(storage.copies[0])
+        return slot.read_value if slot is not None else None
 
 
 def _unique(variables: list) -> list:

@@ -20,8 +20,9 @@ from autodist.kernel_context import KernelContext, replica_scope
 from autodist.network import DIRECTIONS, ClusterView, seconds
 from autodist.strategy import common
 from autodist.strategy.base import StrategyError
-from autodist.synchronizers.base import (KindCost, KindSampling, Member, PartStorage, Reduced,
-                                         SynchronizerKind, draw_share, token_queue)
+from autodist.synchronizers.base import (KindCost, KindSampling, Member, Ownership,
+                                         PartStorage, Reduced, SynchronizerKind, Target,
+                                         draw_share, token_queue)
 
 
 class PSSynchronizer(SynchronizerKind):
@@ -65,10 +66,10 @@ class PSSynchronizer(SynchronizerKind):
         return KindCost(features, charges, binding)
 
     @classmethod
-    def update_shares(cls, parts, index: np.ndarray, num_nodes: int, server_node: np.ndarray,
-                      replica_nodes: int) -> np.ndarray:
+    def update_shares(cls, parts, index: np.ndarray, nodes: List[str], server_node: np.ndarray,
+                      cluster: ClusterView) -> np.ndarray:
         """The optimizer runs where the shared copy lives: on its server alone."""
-        return (server_node == np.arange(num_nodes)[:, None]).astype(np.float64)
+        return (server_node == np.arange(len(nodes))[:, None]).astype(np.float64)
 
     @classmethod
     def link_gbps(cls, parts, index: np.ndarray, cluster: ClusterView) -> np.ndarray:
@@ -117,12 +118,12 @@ class PSSynchronizer(SynchronizerKind):
         shared, readers = create_ps_storage(part.name, initial_value, part.synchronizer, self.ctx)
         return PartStorage(part, [shared], readers, self)
 
-    def initialization(self, storage: PartStorage) -> tuple:
+    def initialization(self, storage: PartStorage) -> Ownership:
         shared = storage.copies[0]
         # A cluster's proxies start from the shared value, once the chief has set it.
         derived = ([r for r in storage.readers if r is not shared] if self.ctx.multi_node
                    else [])
-        return [shared], derived
+        return Ownership(chief=[shared], derived=derived)
 
     def synchronize(self, members: List[Member]) -> Reduced:
         ctx, out = self.ctx, Reduced()
@@ -194,11 +195,12 @@ class PSSynchronizer(SynchronizerKind):
                                                  part.part.synchronizer.staleness, step))
         return [*steps, *told, *refreshes]
 
-    def restore_targets(self, storage: PartStorage) -> list:
+    def restore_targets(self, storage: PartStorage) -> List[Target]:
         targets = super().restore_targets(storage)
         if self.ctx.is_chief:
             return targets
-        return [t for t in targets if t is not storage.copies[0]]  # the chief's to restore
+        # The shared copy is the chief's to restore.
+        return [t for t in targets if t.variable is not storage.copies[0]]
 
 
 # --------------------------------------------------------------------------- costs
