@@ -140,7 +140,7 @@ def test_lossy_choices_are_off_by_default(samples):
         for _, name, _, node in units(strategy):
             if node.WhichOneof("synchronizer") == "AllReduceSynchronizer":
                 assert node.AllReduceSynchronizer.compressor == NONE, (strategy.id, name)
-            else:
+            elif node.WhichOneof("synchronizer") == "PSSynchronizer":
                 assert node.PSSynchronizer.staleness == 0 and node.PSSynchronizer.sync
 
 
@@ -201,7 +201,7 @@ def test_lossy_choices_when_allowed():
                 sync = node.AllReduceSynchronizer
                 assert per_group.setdefault(sync.group, sync.compressor) == sync.compressor
                 compressors[sync.compressor] += 1
-            elif var.has_grad:
+            elif kind == "PSSynchronizer" and var.has_grad:
                 sync = node.PSSynchronizer
                 assert 0 <= sync.staleness <= 3 and sync.sync == (sync.staleness == 0)
                 stalenesses[sync.staleness] += 1

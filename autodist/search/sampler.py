@@ -4,15 +4,16 @@ A sample is drawn in two levels. First a few strategy-wide knobs: per
 synchronizer kind the share of dense and of sparse-gradient variables it gets,
 the share of optional partitions, and each kind's own knobs (for PS: which
 devices serve, the shares with a local proxy or whose nodes sum their
-replicas' gradients first, a staleness bound; for AllReduce: how many groups,
-the share of fp16-compressed groups). Then every variable draws its own choices
-from those shares. Drawing the shares first spreads the samples from pure
-strategies of one kind to the others instead of piling them up around an even
-mix, which independent per-variable coin flips would do; and each share is 0
-or 1 a quarter of the time each (:func:`draw_share`), since with hundreds of
-variables a share drawn uniformly almost never makes all of them choose alike,
-and such pure choices (every dense variable on PS, each behind a proxy) are
-often the fastest.
+replicas' gradients first, a staleness bound; for AllReduce and the sharded
+update: how many groups; for AllReduce the share of fp16-compressed groups).
+Then every variable draws its own choices from those shares. Drawing the
+shares first spreads the samples from pure strategies of one kind to the
+others instead of piling them up around an even mix, which independent
+per-variable coin flips would do; half the samples give every variable one
+kind, and other shares are 0 or 1 a quarter of the time each
+(:func:`draw_share`), since with hundreds of variables a share drawn uniformly
+almost never makes all of them choose alike, and such pure choices (every
+dense variable on PS, each behind a proxy) are often the fastest.
 
 The structure is never random where a rule does better: each kind places or
 groups its units with :func:`common.balanced_placement` (PS servers, AllReduce
@@ -198,12 +199,20 @@ class StrategySampler:
     # ------------------------------------------------------------------ the draws
 
     def _draw_knobs(self, rng: random.Random) -> _Knobs:
-        kinds = range(len(self._kinds))
         return _Knobs(
-            dense_shares=tuple(draw_share(rng) for _ in kinds),
-            sparse_shares=tuple(draw_share(rng) for _ in kinds),
+            dense_shares=self._draw_kind_shares(rng),
+            sparse_shares=self._draw_kind_shares(rng),
             partition_share=draw_share(rng),
             of_kind={field: sampling.draw_knobs(rng) for field, sampling in self._kinds.items()})
+
+    def _draw_kind_shares(self, rng: random.Random) -> Tuple[float, ...]:
+        """Per kind, in the registry's order: half the time one kind alone, else each
+        kind's share drawn uniformly (a variable's odds are in proportion to them)."""
+        count = len(self._kinds)
+        if rng.random() < 0.5:
+            alone = rng.randrange(count)
+            return tuple(float(i == alone) for i in range(count))
+        return tuple(rng.random() for _ in range(count))
 
     def _plan_variable(self, var, knobs: _Knobs, rng: random.Random) -> Optional[_Plan]:
         """Decides the cut and synchronizer of one variable; None without a gradient."""
