@@ -8,8 +8,8 @@ from autodist.graph_item import VariableInfo
 from autodist.proto import synchronizers_pb2
 from autodist.resource_spec import ResourceSpec
 from autodist.strategy import (BUILDERS, PS, AllReduce, Parallax, PartitionedAR, PartitionedPS,
-                               PSLoadBalancing, RandomAxisPartitionAR, StrategyBuilder,
-                               UnevenPartitionedPS, get_builder)
+                               PSLoadBalancing, RandomAxisPartitionAR, ShardedUpdateAR,
+                               StrategyBuilder, UnevenPartitionedPS, get_builder)
 from autodist.strategy import common
 
 pytestmark = pytest.mark.timeout(60)
@@ -39,7 +39,7 @@ THREE_NODES = ResourceSpec.from_dict({"nodes": [
 PS1, PS2, PS3 = "10.0.0.1:CPU:0", "10.0.0.2:CPU:0", "10.0.0.3:CPU:0"
 
 ALL_BUILDERS = [PS(), PSLoadBalancing(), PartitionedPS(), UnevenPartitionedPS(), AllReduce(),
-                PartitionedAR(), RandomAxisPartitionAR(seed=3), Parallax()]
+                PartitionedAR(), RandomAxisPartitionAR(seed=3), Parallax(), ShardedUpdateAR()]
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -7,6 +7,7 @@ from autodist.strategy.all_reduce_builders import AllReduce, PartitionedAR, Rand
 from autodist.strategy.base import Strategy, StrategyBuilder, StrategyError
 from autodist.strategy.parallax import Parallax
 from autodist.strategy.ps_builders import PS, PartitionedPS, PSLoadBalancing, UnevenPartitionedPS
+from autodist.strategy.sharded_update_builders import ShardedUpdateAR
 
 __all__ = [
     "AllReduce",
@@ -17,6 +18,7 @@ __all__ = [
     "PartitionedPS",
     "PSLoadBalancing",
     "RandomAxisPartitionAR",
+    "ShardedUpdateAR",
     "Strategy",
     "StrategyBuilder",
     "StrategyError",
@@ -28,7 +30,7 @@ __all__ = [
 BUILDERS = {
     cls.__name__: cls
     for cls in (PS, PSLoadBalancing, PartitionedPS, UnevenPartitionedPS,
-                AllReduce, PartitionedAR, RandomAxisPartitionAR, Parallax)
+                AllReduce, PartitionedAR, RandomAxisPartitionAR, Parallax, ShardedUpdateAR)
 }
 
 

@@ -13,6 +13,7 @@ from autodist.proto import strategy_pb2
 from autodist.synchronizers.all_reduce import AllReduceSynchronizer
 from autodist.synchronizers.base import SynchronizerKind
 from autodist.synchronizers.ps import PSSynchronizer
+from autodist.synchronizers.sharded_update import ShardedUpdateSynchronizer
 
 _ONEOF = strategy_pb2.Strategy.Node.DESCRIPTOR.oneofs_by_name["synchronizer"]
 
@@ -29,7 +30,7 @@ def _registry(classes: List[Type[SynchronizerKind]]) -> Dict[str, Type[Synchroni
     return {name: by_field[name] for name in fields}
 
 
-KINDS = _registry([PSSynchronizer, AllReduceSynchronizer])
+KINDS = _registry([PSSynchronizer, AllReduceSynchronizer, ShardedUpdateSynchronizer])
 """``synchronizer`` oneof field -> its kind's class, in the proto's order."""
 
 

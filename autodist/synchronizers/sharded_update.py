@@ -1,0 +1,320 @@
+"""Sharded-update synchronizer (ZeRO stage 1): each replica updates only its shard.
+
+Every node keeps one copy of the part, which its replicas read, as AllReduce
+does. Each step:
+
+1. the replicas' gradients of one group (and dtype) are flattened into one
+   buffer and reduced by TensorFlow's ring collective (mean); each replica
+   keeps its shard of the result;
+2. each replica applies the optimizer to its shard, a variable of
+   ``ceil(n / R)`` elements of the flattened part on its own device, with that
+   shard's optimizer slots only: for R replicas, 1/R of the optimizer's
+   memory and update work per replica;
+3. the updated shards are all-gathered, and every node writes them into its copy.
+
+TensorFlow's CPU collectives implement no reduce-scatter (its reduce-scatter and
+all-to-all collectives are NCCL-only), so step 1 is a whole all-reduce: the kind
+moves a ring all-reduce's bytes plus an all-gather's, 1.5 times AllReduce's.
+
+The last shard is padded with zeros to the others' size, since a gather needs
+equal shapes; its padding gets a zero gradient, so elementwise optimizers keep
+it at zero. Checkpoints keep the single-device layout: a save stitches the
+shards' slots, a restore hands each shard its piece. On a cluster the chief's
+graph also holds the other nodes' shards, on their devices (initialized and
+updated by their owners), so that it saves and fetches every slot.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from typing import Dict, List
+
+import numpy as np
+import tensorflow as tf
+
+from autodist.kernel_context import replica_scope
+from autodist.network import ClusterView, in_order_sum, seconds
+from autodist.strategy import common
+from autodist.strategy.base import StrategyError
+from autodist.synchronizers.all_reduce import create_all_reduce_storage
+from autodist.synchronizers.base import (COLLECTIVE_GROUP_KEY, KindCost, KindSampling, Member,
+                                         Ownership, PartStorage, Reduced, SynchronizerKind,
+                                         Target, balanced_groups, collective_numbers,
+                                         draw_group_count)
+
+_COLLECTIVES_PER_GROUP = 3  # the reduce, the gather of the shards, the gather of their order
+
+
+@dataclasses.dataclass
+class _Layout:
+    """How one part is cut: ``size`` elements, ``shard`` per replica, the last padded.
+
+    Attributes:
+        shards: global replica index -> its shard variable, for the shards this
+            node's graph holds.
+    """
+
+    size: int
+    shard: int
+    padding: int
+    shards: Dict[int, tf.Variable] = dataclasses.field(default_factory=dict)
+
+    def piece(self, value: tf.Tensor, replica: int) -> tf.Tensor:
+        """Replica ``replica``'s shard of ``value`` (any shape of ``size`` elements)."""
+        padded = tf.pad(tf.reshape(value, [-1]), [[0, self.padding]])
+        return padded[replica * self.shard:(replica + 1) * self.shard]
+
+
+class ShardedUpdateSynchronizer(SynchronizerKind):
+    """The kind of the ``ShardedUpdateSynchronizer`` field: see the module docstring."""
+
+    field = "ShardedUpdateSynchronizer"
+    feature_name = "sharded_update"
+    collective = True
+
+    @classmethod
+    def check(cls, config, var_name: str, devices: set, strategy_id: str) -> None:
+        if config.group < 0:
+            raise StrategyError(f"Strategy {strategy_id}: '{var_name}' has group "
+                                f"{config.group}; it must be 0 or more.")
+
+    @classmethod
+    def check_variables(cls, variables: list, strategy_id: str, num_replicas: int) -> None:
+        for variable in variables:
+            for part in variable.parts:
+                if part.kind is not cls:
+                    continue
+                if variable.info.sparse_grad:
+                    raise StrategyError(
+                        f"Strategy {strategy_id}: '{part.name}' has a sparse gradient, and "
+                        "ShardedUpdateSynchronizer takes dense ones only; synchronize it with "
+                        "AllReduceSynchronizer (ShardedUpdateAR does).")
+                elements = math.prod(part.shape)
+                if elements < num_replicas:
+                    raise StrategyError(
+                        f"Strategy {strategy_id}: '{part.name}' has {elements} elements, fewer "
+                        f"than the {num_replicas} replicas that would each update a shard; "
+                        "synchronize it with AllReduceSynchronizer (ShardedUpdateAR does).")
+
+    # ------------------------------------------------------------ what the search asks
+
+    @classmethod
+    def traffic_record(cls, config, info, grad_bytes: float, devices: dict) -> tuple:
+        return (grad_bytes, -1, False, 0, False, 0, config.group)
+
+    @classmethod
+    def cost(cls, parts, index: np.ndarray, cluster: ClusterView, split_step: bool) -> KindCost:
+        """A ring all-reduce of the gradients and an all-gather of the updated shards,
+        three collectives per group and dtype, the part overhead of all-reduced parts."""
+        index = index[parts.has_grad[index]]
+        n = cluster.num_replicas
+        if n < 2 or not index.size:
+            return KindCost({}, [])
+        gbps = cluster.ring_gbps()
+        _, first, collective = np.unique(collective_numbers(parts, index), return_index=True,
+                                         return_inverse=True)
+        collective = np.argsort(np.argsort(first))[collective]  # numbered in launch order
+        order = np.argsort(collective, kind="stable")
+        index, collective = index[order], collective[order]
+        members = np.bincount(collective, minlength=len(first))
+        ring = seconds(2.0 * (n - 1) / n * parts.wire_bytes[index], gbps)
+        gather = seconds((n - 1) / n * parts.value_bytes[index], gbps)
+        features = {"ring_all_reduce": in_order_sum(ring), "all_gather": in_order_sum(gather),
+                    "collective_latency": float(_COLLECTIVES_PER_GROUP * len(first)),
+                    "all_reduce_part_overhead": float(len(index))}
+        return KindCost(features, [(index, [
+            ("ring_all_reduce", ring, True), ("all_gather", gather, True),
+            ("collective_latency", _COLLECTIVES_PER_GROUP / members[collective], True),
+            ("all_reduce_part_overhead", 1.0, True)])])
+
+    @classmethod
+    def update_shares(cls, parts, index: np.ndarray, nodes: List[str], server_node: np.ndarray,
+                      cluster: ClusterView) -> np.ndarray:
+        """Each node updates its replicas' shards: their share of every part."""
+        share = np.array([cluster.replicas_per_node.get(node, 0) / cluster.num_replicas
+                          for node in nodes])
+        return np.repeat(share[:, None], len(index), axis=1)
+
+    @classmethod
+    def link_gbps(cls, parts, index: np.ndarray, cluster: ClusterView) -> np.ndarray:
+        return np.full(len(index), cluster.ring_gbps())
+
+    @classmethod
+    def traffic_keys(cls, parts, index: np.ndarray) -> np.ndarray:
+        return np.unique(collective_numbers(parts, index), return_inverse=True)[1]
+
+    @classmethod
+    def sampling(cls, variables: list, resource_spec, constraints) -> KindSampling:
+        return _ShardedSampling(variables, resource_spec, constraints)
+
+    # ------------------------------------------------------------ the graph
+
+    def __init__(self, ctx, keys):
+        super().__init__(ctx, keys)
+        self._layouts: Dict[str, _Layout] = {}
+        self._gathers = []  # per collective: its members, its dtype, its two gather keys
+
+    def create_storage(self, part, initial_value: tf.Tensor) -> PartStorage:
+        ctx = self.ctx
+        copy, origin = create_all_reduce_storage(part.name, initial_value, ctx)
+        size = math.prod(part.shape)
+        count = ctx.total_replicas
+        shard = -(-size // count)
+        layout = _Layout(size, shard, padding=shard * count - size)
+        source = origin.read_value() if origin is not None else initial_value
+        local = [ctx.replica_index(r) for r in range(ctx.num_replicas)]
+        # The chief also holds the other nodes' shards, to save and fetch their slots.
+        for replica in (range(count) if ctx.is_chief else local):
+            with tf.device(ctx.tf_device(ctx.replicas[replica])):
+                layout.shards[replica] = tf.Variable(layout.piece(source, replica),
+                                                     trainable=False,
+                                                     name=f"{part.name}/shard_{replica}")
+        self._layouts[part.name] = layout
+        return PartStorage(part, [copy], [copy] * ctx.num_replicas, self, origin,
+                           shards=[layout.shards[r] for r in local])
+
+    def initialization(self, storage: PartStorage) -> Ownership:
+        layout = self._layouts[storage.part.name]
+        local = set(map(id, storage.shards))
+        elsewhere = [v for v in layout.shards.values() if id(v) not in local]
+        if storage.origin is None:
+            return Ownership(elsewhere=elsewhere)
+        return Ownership(chief=[storage.origin], derived=[*storage.copies, *storage.shards],
+                         elsewhere=elsewhere)
+
+    def synchronize(self, members: List[Member]) -> Reduced:
+        ctx, out = self.ctx, Reduced()
+        buffers = {}  # (group, dtype) -> members, in the members' order
+        for member in members:
+            key = (member.storage.part.synchronizer.group, member.grads[0].dtype)
+            buffers.setdefault(key, []).append(member)
+        for (group, dtype), grouped in sorted(buffers.items(), key=lambda item: (
+                item[0][0], item[0][1].name)):
+            reduce_key = self.keys.take()
+            self._gathers.append((grouped, dtype, self.keys.take(), self.keys.take()))
+            layouts = [self._layouts[m.storage.part.name] for m in grouped]
+            for replica in range(ctx.num_replicas):
+                index = ctx.replica_index(replica)
+                with tf.device(ctx.replica_tf_device(replica)), \
+                        tf.name_scope(f"{replica_scope(replica)}/{grouped[0].storage.part.name}"):
+                    flat = tf.concat([tf.reshape(m.grads[replica], [-1]) for m in grouped], 0)
+                    mean = tf.raw_ops.CollectiveReduceV2(
+                        input=flat, group_size=ctx.total_replicas,
+                        group_key=COLLECTIVE_GROUP_KEY, instance_key=reduce_key,
+                        ordering_token=[], merge_op="Add", final_op="Div")
+                    pieces = tf.split(mean, [layout.size for layout in layouts])
+                    for member, layout, piece in zip(grouped, layouts, pieces):
+                        update = member.update(layout.piece(piece, index))
+                        out.local_updates.append(dataclasses.replace(
+                            update, variable=layout.shards[index],
+                            shard=(index * layout.shard, layout.shard)))
+            local = {ctx.replica_index(r) for r in range(ctx.num_replicas)}
+            for member, layout in zip(grouped, layouts):
+                for index, shard in layout.shards.items():
+                    if index not in local:
+                        with tf.device(shard.device):
+                            update = member.update(tf.zeros([layout.shard], dtype))
+                        out.foreign_updates.append(dataclasses.replace(
+                            update, variable=shard, shard=(index * layout.shard, layout.shard)))
+        return out
+
+    def after_local_updates(self, updated: dict) -> list:
+        """Gathers the updated shards and writes them into this node's copies."""
+        ctx, ops = self.ctx, []
+        count = ctx.total_replicas
+        for grouped, dtype, values_key, order_key in self._gathers:
+            layouts = [self._layouts[m.storage.part.name] for m in grouped]
+            for replica in range(ctx.num_replicas):
+                index = ctx.replica_index(replica)
+                shards = [layout.shards[index] for layout in layouts]
+                with tf.device(ctx.replica_tf_device(replica)):
+                    with tf.control_dependencies([updated[s.name] for s in shards
+                                                  if s.name in updated]):
+                        values = tf.concat([s.read_value() for s in shards], 0)
+                    gathered = _gather(values, count, values_key)
+                    order = _gather(tf.constant([index], tf.int64), count, order_key)
+                if replica:
+                    ops += [gathered.op, order.op]
+                    continue
+                with tf.device(ctx.shared_device):
+                    # The gather stacks the shards in the collective's own order.
+                    rows = tf.gather(tf.reshape(gathered, [count, -1]),
+                                     tf.math.invert_permutation(order))
+                    columns = tf.split(rows, [layout.shard for layout in layouts], axis=1)
+                    for member, layout, column in zip(grouped, layouts, columns):
+                        value = tf.reshape(tf.reshape(column, [-1])[:layout.size],
+                                           member.storage.part.shape)
+                        ops.append(member.storage.copies[0].assign(value, read_value=False))
+        return ops
+
+    def restore_targets(self, storage: PartStorage) -> List[Target]:
+        return [Target(storage.copies[0]), *self._shard_targets(storage, lambda s: s)]
+
+    def slot_targets(self, storage: PartStorage, slot_of) -> List[Target]:
+        return self._shard_targets(storage, slot_of)
+
+    def slot_value(self, storage: PartStorage, slot_of):
+        layout = self._layouts[storage.part.name]
+        slots = [slot_of(layout.shards[r]) if r in layout.shards else None
+                 for r in range(self.ctx.total_replicas)]
+        if any(slot is None for slot in slots):
+            return None  # a worker holds its own shards' slots only
+
+        def value():
+            flat = tf.concat([slot.read_value() for slot in slots], 0)
+            return tf.reshape(flat[:layout.size], storage.part.shape)
+        return value
+
+    def _shard_targets(self, storage: PartStorage, variable_of) -> List[Target]:
+        layout = self._layouts[storage.part.name]
+        targets = []
+        for replica in range(self.ctx.num_replicas):
+            index = self.ctx.replica_index(replica)
+            variable = variable_of(layout.shards[index])
+            if variable is not None:
+                targets.append(Target(variable, lambda value, i=index: layout.piece(value, i)))
+        return targets
+
+
+def _gather(tensor: tf.Tensor, group_size: int, instance_key: int) -> tf.Tensor:
+    return tf.raw_ops.CollectiveGatherV2(
+        input=tensor, group_size=group_size, group_key=COLLECTIVE_GROUP_KEY,
+        instance_key=instance_key, ordering_token=[])
+
+
+# --------------------------------------------------------------------------- sampling
+
+@dataclasses.dataclass(frozen=True)
+class _Knobs:
+    groups: int  # groups per gradient dtype
+
+
+class _ShardedSampling(KindSampling):
+    """The sampler's sharded-update choices: how many groups; balanced groups.
+
+    Only dense variables large enough that any cut of them leaves every
+    replica a shard.
+    """
+
+    def __init__(self, variables: list, resource_spec, constraints):
+        self._smallest = len(resource_spec.replica_devices) * constraints.max_partitions
+        self._most_units = sum(
+            constraints.max_partitions if v.size_bytes > constraints.partition_threshold_bytes
+            else 1 for v in variables if v.has_grad)
+        self._max_groups = constraints.max_groups
+
+    def allowed(self, var) -> bool:
+        return not var.sparse_grad and math.prod(map(int, var.shape)) >= self._smallest
+
+    def draw_knobs(self, rng: random.Random) -> _Knobs:
+        return _Knobs(draw_group_count(rng, min(self._max_groups or self._most_units,
+                                                self._most_units)))
+
+    def configs(self, units: list, knobs: _Knobs, rng: random.Random) -> dict:
+        groups, _ = balanced_groups(units, knobs.groups)
+        templates = {}
+        for group in set(groups.values()):
+            templates[group] = common.Node()
+            templates[group].ShardedUpdateSynchronizer.group = group
+        return {name: templates[group] for name, group in groups.items()}
