@@ -422,7 +422,7 @@ def test_bad_arguments_are_named():
     strategy = strategy_of(TWO_BY_TWO, common.ar_node_config("v", 0))
     with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
         MODEL.predict(strategy, [vec("v")], TWO_BY_TWO, batch_size=0)
-    with pytest.raises(StrategyError, match=r"without a config \['w'\]"):
+    with pytest.raises(StrategyError, match=r"without a config: \['w'\]"):
         MODEL.predict(strategy, [vec("v"), vec("w")], TWO_BY_TWO, batch_size=1)
     with pytest.raises(ValueError, match="local_bandwidth_gbps"):
         CostModel(local_bandwidth_gbps=0)

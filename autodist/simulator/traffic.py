@@ -17,7 +17,7 @@ import numpy as np
 
 from autodist import partition
 from autodist.network import node_of
-from autodist.strategy.base import StrategyError
+from autodist.strategy.compiler import check_configs_match, synchronizer_kind
 from autodist.synchronizers import KINDS
 
 KIND_NUMBERS = {kind: number for number, kind in enumerate(KINDS.values())}
@@ -182,7 +182,8 @@ def sync_parts(strategy: Any, variables: Sequence[Any], batch_size: int,
 
     Raises:
         StrategyError: if a ``Strategy`` lacks a config for a variable, has one
-            for an unknown variable, or a part without a synchronizer.
+            for an unknown variable, or a part without a synchronizer (the
+            compiler's checks of these, the only ones made here).
     """
     if hasattr(strategy, "variables") and hasattr(strategy, "strategy"):
         variables = [compiled.info for compiled in strategy.variables.values()]
@@ -190,12 +191,7 @@ def sync_parts(strategy: Any, variables: Sequence[Any], batch_size: int,
     by_name = {v.name: v for v in variables}
     nodes = list(strategy.node_config)  # one wrapper per node, not one per access
     node_names = [node.var_name for node in nodes]
-    configured = set(node_names)
-    missing = [name for name in by_name if name not in configured]
-    extra = sorted(configured - set(by_name))
-    if missing or extra:
-        raise StrategyError(f"Cost model: strategy {strategy.id} does not match the variables: "
-                            f"without a config {missing}; configs for unknown variables {extra}.")
+    check_configs_match(strategy.id, node_names, list(by_name))
     names: List[str] = []
     records: List[tuple] = []  # per part; see _columns
     devices: Dict[str, int] = {}  # server device -> its number, in order of appearance
@@ -206,13 +202,9 @@ def sync_parts(strategy: Any, variables: Sequence[Any], batch_size: int,
                              rows_touched.get(name, batch_size))
         for unit, (value_bytes, grad_bytes) in zip(
                 node.part_config if partitioner else (node,), split):
-            field = unit.WhichOneof("synchronizer")
-            if field is None:
-                raise StrategyError(f"Cost model: '{unit.var_name}' has no synchronizer; set "
-                                    f"one of {list(KINDS)}.")
-            kind = KINDS[field]
+            kind = synchronizer_kind(unit, strategy.id)
             names.append(unit.var_name)
             records.append((row, value_bytes, grad_bytes, KIND_NUMBERS[kind],
-                            *kind.traffic_record(getattr(unit, field), info, grad_bytes,
+                            *kind.traffic_record(getattr(unit, kind.field), info, grad_bytes,
                                                  devices)))
     return _columns([by_name[name] for name in node_names], names, records, devices), strategy

@@ -72,14 +72,8 @@ def compile_strategy(strategy: Strategy, graph_item: GraphItem,
             raise StrategyError(f"Strategy {strategy.id} configures variable "
                                 f"'{node.var_name}' twice.")
         configs[node.var_name] = node
-    graph_vars = [v.name for v in graph_item.trainable_variables]
-    missing = [name for name in graph_vars if name not in configs]
-    extra = [name for name in configs if name not in set(graph_vars)]
-    if missing or extra:
-        raise StrategyError(
-            f"Strategy {strategy.id} does not match the graph: variables in the graph "
-            f"without a config: {missing}; configs for variables the graph lacks: {extra}. "
-            "Build the strategy for this model, or rebuild it with a builder.")
+    check_configs_match(strategy.id, list(configs),
+                        [v.name for v in graph_item.trainable_variables])
     compiled = {}
     for info in graph_item.trainable_variables:
         compiled[info.name] = _compile_variable(configs[info.name], info, devices, strategy.id)
@@ -107,12 +101,29 @@ def _compile_variable(node, info: VariableInfo, devices: set, strategy_id: str):
     return CompiledVariable(info, plan, parts)
 
 
-def _synchronizer(node, devices: set, strategy_id: str) -> tuple:
-    """(the kind's class, the config) of a node or part config, checked."""
+def check_configs_match(strategy_id: str, configured: list, variables: list) -> None:
+    """Raises StrategyError unless ``configured`` names exactly the ``variables``."""
+    missing = [name for name in variables if name not in set(configured)]
+    extra = [name for name in configured if name not in set(variables)]
+    if missing or extra:
+        raise StrategyError(
+            f"Strategy {strategy_id} does not match the graph: variables in the graph "
+            f"without a config: {missing}; configs for variables the graph lacks: {extra}. "
+            "Build the strategy for this model, or rebuild it with a builder.")
+
+
+def synchronizer_kind(node, strategy_id: str) -> Type[SynchronizerKind]:
+    """The kind of a node or part config; StrategyError when it has no synchronizer."""
     kind = kind_of(node)
     if kind is None:
         raise StrategyError(f"Strategy {strategy_id}: '{node.var_name}' has no synchronizer; "
                             f"set one of {list(KINDS)}.")
+    return kind
+
+
+def _synchronizer(node, devices: set, strategy_id: str) -> tuple:
+    """(the kind's class, the config) of a node or part config, checked."""
+    kind = synchronizer_kind(node, strategy_id)
     config = getattr(node, kind.field)
     kind.check(config, node.var_name, devices, strategy_id)
     return kind, config
