@@ -44,6 +44,8 @@ SECTIONS = (
      "sampling-and-scoring-autostrategys-candidates-sampling_speed"),
     ("Keras fit step time vs tf.distribute (`keras_step_time`)",
      "keras-fit-step-time-vs-tfdistribute-keras_step_time"),
+    ("Sharded update vs. AllReduce with Adam (`sharded_update`)",
+     "sharded-update-vs-allreduce-with-adam-sharded_update"),
 )
 
 HEADER = "\n".join([

@@ -2,7 +2,7 @@
 
 The model is communication-bound on purpose: a few large dense variables (by
 default 4 x [1792, 1792] float32, about 51 MB) behind a negligible forward pass
-(a [2, 1792] input through a chain of matmuls, plain SGD), so a step's time is
+(a [2, 1792] input through a chain of matmuls, plain SGD by default), so a step's time is
 essentially the time to synchronize the gradients. Each builder is compared
 with the ring all-reduce bound
 
@@ -124,8 +124,13 @@ def model_side(megabytes: float, num_vars: int) -> int:
     return max(64, int(round(side / 64)) * 64)
 
 
-def _build_model(num_vars: int, side: int):
-    """A chain of ``num_vars`` [side, side] matmuls on a tiny batch; SGD. Returns (x, loss, train)."""
+OPTIMIZERS = ("sgd", "adam")
+
+
+def _build_model(num_vars: int, side: int, optimizer: str = "sgd"):
+    """A chain of ``num_vars`` [side, side] matmuls on a tiny batch; SGD (or Adam).
+
+    Returns (x, loss, train)."""
     import tensorflow as tf
     v1 = tf.compat.v1
     x = v1.placeholder(tf.float32, [None, side], name="x")
@@ -135,11 +140,24 @@ def _build_model(num_vars: int, side: int):
         w = v1.get_variable(f"layer_{i}/kernel", [side, side], initializer=init)
         h = tf.tanh(tf.matmul(h, w))
     loss = tf.reduce_mean(tf.square(h - 0.5), name="loss")
-    train = v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    chosen = (v1.train.AdamOptimizer(1e-3) if optimizer == "adam"
+              else v1.train.GradientDescentOptimizer(0.1))
+    train = chosen.minimize(loss, name="train")
     return x, loss, train
 
 
-def run_job(spec: str, builder: str, num_vars: int, side: int, warmup: int, steps: int) -> None:
+def _slot_bytes_here(session, node_index: int) -> int:
+    """Bytes of the Adam slots on this node's devices (its shards' only, for a sharded update)."""
+    import tensorflow as tf
+    task = f"/task:{node_index}/"
+    return sum(v.shape.num_elements() * v.dtype.size
+               for v in session.distributed.graph.get_collection(
+                   tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)
+               if v.op.name.rsplit("/", 1)[-1] in ("Adam", "Adam_1") and task in v.device)
+
+
+def run_job(spec: str, builder: str, num_vars: int, side: int, warmup: int, steps: int,
+            optimizer: str = "sgd") -> None:
     """One node's part of a case; the chief prints the result line."""
     import numpy as np
     import tensorflow as tf
@@ -154,10 +172,11 @@ def run_job(spec: str, builder: str, num_vars: int, side: int, warmup: int, step
     batch = np.random.RandomState(ad.node_index).rand(rows, side).astype(np.float32)
     result = {"builder": builder}
     with tf.Graph().as_default(), ad.scope():
-        x, loss, train = _build_model(num_vars, side)
+        x, loss, train = _build_model(num_vars, side, optimizer)
         start = time.perf_counter()
         session = ad.create_distributed_session()
         result["session_s"] = time.perf_counter() - start
+        result["chief_slot_bytes"] = _slot_bytes_here(session, ad.node_index)
         before = session.run(loss, {x: batch})
         start = time.perf_counter()
         for _ in range(warmup):
@@ -260,7 +279,8 @@ def run_case(cluster, spec: str, builder: str, args) -> dict:
     """Runs one builder's job on the cluster; returns its row (or an error row)."""
     command = [*cluster.hosts[0].launch_prefix, sys.executable, os.path.abspath(__file__),
                "--_job", spec, builder, "--vars", str(args.vars), "--side", str(args.side),
-               "--warmup", str(args.warmup), "--steps", str(args.steps)]
+               "--warmup", str(args.warmup), "--steps", str(args.steps),
+               "--optimizer", getattr(args, "optimizer", "sgd")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
     start = time.perf_counter()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -569,6 +589,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: 3)")
     parser.add_argument("--builders", nargs="+", default=list(DEFAULT_BUILDERS),
                         help="builders, Name or Name:key=value,... (default: all)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
+                        help="the model's optimizer (default: sgd)")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per builder (default: 240)")
     parser.add_argument("--name", default=CLUSTER_NAME,
                         help=f"emulated cluster name (default: {CLUSTER_NAME})")
@@ -591,7 +613,7 @@ def main(argv=None) -> int:
 
     if args._job:  # pylint: disable=protected-access
         spec, builder = args._job  # pylint: disable=protected-access
-        run_job(spec, builder, args.vars, args.side, args.warmup, args.steps)
+        run_job(spec, builder, args.vars, args.side, args.warmup, args.steps, args.optimizer)
         return 0
     if args._raw:  # pylint: disable=protected-access
         hosts, task, builder = args._raw  # pylint: disable=protected-access
