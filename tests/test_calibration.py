@@ -63,7 +63,9 @@ def test_a_fit_recovers_the_weights_the_cluster_gives_its_components():
 
 
 def test_trials_that_agree_with_the_defaults_keep_the_cost_models_ranking():
-    features, totals = sampled(30, seed=1)
+    # 40 trials: two kinds of collectives (all-reduced and sharded parts) share the
+    # collective components, and 30 noisy trials left the fit a few pairs astray.
+    features, totals = sampled(40, seed=1)
     _, measured = cluster_times(totals, {}, noise=0.02, seed=0)
     calibration = Calibration.fit(features, measured)
     held_features, held_totals = sampled(60, seed=2)

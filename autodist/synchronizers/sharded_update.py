@@ -43,7 +43,7 @@ from autodist.synchronizers.base import (COLLECTIVE_GROUP_KEY, KindCost, KindSam
                                          Target, balanced_groups, collective_numbers,
                                          draw_group_count)
 
-_COLLECTIVES_PER_GROUP = 3  # the reduce, the gather of the shards, the gather of their order
+_COLLECTIVES_PER_GROUP = 2  # the reduce and the gather of the shards' order; a gather per part
 
 
 @dataclasses.dataclass
@@ -61,9 +61,16 @@ class _Layout:
     shards: Dict[int, tf.Variable] = dataclasses.field(default_factory=dict)
 
     def piece(self, value: tf.Tensor, replica: int) -> tf.Tensor:
-        """Replica ``replica``'s shard of ``value`` (any shape of ``size`` elements)."""
-        padded = tf.pad(tf.reshape(value, [-1]), [[0, self.padding]])
-        return padded[replica * self.shard:(replica + 1) * self.shard]
+        """Replica ``replica``'s shard of ``value`` (any shape of ``size`` elements).
+
+        Sliced first, then padded: only a shard past the part's end is copied.
+        """
+        start = replica * self.shard
+        stop = min(start + self.shard, self.size)
+        piece = tf.reshape(value, [-1])[start:stop]
+        if stop - start < self.shard:
+            piece = tf.pad(piece, [[0, self.shard - max(stop - start, 0)]])
+        return piece
 
 
 class ShardedUpdateSynchronizer(SynchronizerKind):
@@ -105,8 +112,9 @@ class ShardedUpdateSynchronizer(SynchronizerKind):
 
     @classmethod
     def cost(cls, parts, index: np.ndarray, cluster: ClusterView, split_step: bool) -> KindCost:
-        """A ring all-reduce of the gradients and an all-gather of the updated shards,
-        three collectives per group and dtype, the part overhead of all-reduced parts."""
+        """A ring all-reduce of the gradients and an all-gather of the updated shards;
+        two collectives per group and dtype and one per part; the part overhead of
+        all-reduced parts."""
         index = index[parts.has_grad[index]]
         n = cluster.num_replicas
         if n < 2 or not index.size:
@@ -121,11 +129,12 @@ class ShardedUpdateSynchronizer(SynchronizerKind):
         ring = seconds(2.0 * (n - 1) / n * parts.wire_bytes[index], gbps)
         gather = seconds((n - 1) / n * parts.value_bytes[index], gbps)
         features = {"ring_all_reduce": in_order_sum(ring), "all_gather": in_order_sum(gather),
-                    "collective_latency": float(_COLLECTIVES_PER_GROUP * len(first)),
+                    "collective_latency": float(_COLLECTIVES_PER_GROUP * len(first)
+                                                + len(index)),
                     "all_reduce_part_overhead": float(len(index))}
         return KindCost(features, [(index, [
             ("ring_all_reduce", ring, True), ("all_gather", gather, True),
-            ("collective_latency", _COLLECTIVES_PER_GROUP / members[collective], True),
+            ("collective_latency", _COLLECTIVES_PER_GROUP / members[collective] + 1.0, True),
             ("all_reduce_part_overhead", 1.0, True)])])
 
     @classmethod
@@ -153,7 +162,7 @@ class ShardedUpdateSynchronizer(SynchronizerKind):
     def __init__(self, ctx, keys):
         super().__init__(ctx, keys)
         self._layouts: Dict[str, _Layout] = {}
-        self._gathers = []  # per collective: its members, its dtype, its two gather keys
+        self._gathers = []  # per reduce: its members, a gather key per member, the order's key
 
     def create_storage(self, part, initial_value: tf.Tensor) -> PartStorage:
         ctx = self.ctx
@@ -192,7 +201,8 @@ class ShardedUpdateSynchronizer(SynchronizerKind):
         for (group, dtype), grouped in sorted(buffers.items(), key=lambda item: (
                 item[0][0], item[0][1].name)):
             reduce_key = self.keys.take()
-            self._gathers.append((grouped, dtype, self.keys.take(), self.keys.take()))
+            self._gathers.append((grouped, [self.keys.take() for _ in grouped],
+                                  self.keys.take()))
             layouts = [self._layouts[m.storage.part.name] for m in grouped]
             for replica in range(ctx.num_replicas):
                 index = ctx.replica_index(replica)
@@ -223,29 +233,31 @@ class ShardedUpdateSynchronizer(SynchronizerKind):
         """Gathers the updated shards and writes them into this node's copies."""
         ctx, ops = self.ctx, []
         count = ctx.total_replicas
-        for grouped, dtype, values_key, order_key in self._gathers:
+        # One gather per part, so that each part's shards arrive contiguous: a
+        # copy fewer for every byte of the model than one gather per group.
+        for grouped, value_keys, order_key in self._gathers:
             layouts = [self._layouts[m.storage.part.name] for m in grouped]
             for replica in range(ctx.num_replicas):
                 index = ctx.replica_index(replica)
-                shards = [layout.shards[index] for layout in layouts]
                 with tf.device(ctx.replica_tf_device(replica)):
-                    with tf.control_dependencies([updated[s.name] for s in shards
-                                                  if s.name in updated]):
-                        values = tf.concat([s.read_value() for s in shards], 0)
-                    gathered = _gather(values, count, values_key)
+                    gathered = []
+                    for layout, key in zip(layouts, value_keys):
+                        shard = layout.shards[index]
+                        with tf.control_dependencies([updated[shard.name]]
+                                                     if shard.name in updated else []):
+                            gathered.append(_gather(shard.read_value(), count, key))
                     order = _gather(tf.constant([index], tf.int64), count, order_key)
                 if replica:
-                    ops += [gathered.op, order.op]
+                    ops += [t.op for t in gathered] + [order.op]
                     continue
                 with tf.device(ctx.shared_device):
-                    # The gather stacks the shards in the collective's own order.
-                    rows = tf.gather(tf.reshape(gathered, [count, -1]),
-                                     tf.math.invert_permutation(order))
-                    columns = tf.split(rows, [layout.shard for layout in layouts], axis=1)
-                    for member, layout, column in zip(grouped, layouts, columns):
-                        value = tf.reshape(tf.reshape(column, [-1])[:layout.size],
-                                           member.storage.part.shape)
-                        ops.append(member.storage.copies[0].assign(value, read_value=False))
+                    # The gathers stack the shards in the collective's own order,
+                    # which is the replicas' unless TensorFlow ranked them otherwise.
+                    in_order = tf.reduce_all(tf.equal(order, tf.range(count, dtype=tf.int64)))
+                    for member, layout, values in zip(grouped, layouts, gathered):
+                        ops.append(member.storage.copies[0].assign(
+                            _reassembled(values, layout, in_order, order,
+                                         member.storage.part.shape), read_value=False))
         return ops
 
     def restore_targets(self, storage: PartStorage) -> List[Target]:
@@ -275,6 +287,16 @@ class ShardedUpdateSynchronizer(SynchronizerKind):
             if variable is not None:
                 targets.append(Target(variable, lambda value, i=index: layout.piece(value, i)))
         return targets
+
+
+def _reassembled(gathered: tf.Tensor, layout: _Layout, in_order: tf.Tensor, order: tf.Tensor,
+                 shape: tuple) -> tf.Tensor:
+    """A part's value from its gathered shards (in the collective's ``order``)."""
+    rows = tf.reshape(gathered, [-1, layout.shard])
+    rows = tf.cond(in_order, lambda: rows,
+                   lambda: tf.gather(rows, tf.math.invert_permutation(order)))
+    flat = tf.reshape(rows, [-1])
+    return tf.reshape(flat[:layout.size] if layout.padding else flat, shape)
 
 
 def _gather(tensor: tf.Tensor, group_size: int, instance_key: int) -> tf.Tensor:
