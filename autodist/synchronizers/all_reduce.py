@@ -28,17 +28,14 @@ from autodist.network import ClusterView, in_order_sum, seconds
 from autodist.proto import synchronizers_pb2
 from autodist.strategy import common
 from autodist.strategy.base import StrategyError
-from autodist.synchronizers.base import (COLLECTIVE_GROUP_KEY, CollectiveKeys, KindCost,
-                                         KindSampling, Member, Ownership, PartStorage, Reduced,
+from autodist.synchronizers.base import (COLLECTIVE_GROUP_KEY, RING_SUBDIVISIONS,
+                                         CollectiveKeys, KindCost, KindSampling, Member,
+                                         Ownership, PartStorage, Reduced,
                                          SynchronizerKind, balanced_groups, collective_numbers,
                                          draw_group_count, draw_share)
 from autodist.synchronizers.compressor import LOSSY, compressor_class
 
 _CONFIG = synchronizers_pb2.AllReduceSynchronizer
-# Sub-rings per device: a merged group is one large buffer, and with a single
-# ring every step copies a whole chunk before adding it; several overlap the
-# transfer of one piece with the arithmetic of another (docs/notes/step_time.md).
-_RING_SUBDIVISIONS = 4
 
 
 class AllReduceSynchronizer(SynchronizerKind):
@@ -257,7 +254,7 @@ def _reduce_dense(grads: list, sync, group_size: int, key: int, scope: str) -> t
     summed = tf.raw_ops.CollectiveReduceV2(
         input=wire, group_size=group_size, group_key=COLLECTIVE_GROUP_KEY,
         instance_key=key, ordering_token=[], merge_op="Add", final_op="Div",
-        max_subdivs_per_device=_RING_SUBDIVISIONS)
+        max_subdivs_per_device=RING_SUBDIVISIONS)
 
     def unpack(summed):
         mean = compressor.decompress(summed, ctx)

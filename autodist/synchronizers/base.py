@@ -38,6 +38,11 @@ from autodist.kernel_context import KernelContext
 from autodist.strategy import common
 
 COLLECTIVE_GROUP_KEY = 1
+# Sub-rings per device of an all-reduce: a merged group is one large buffer, and
+# with a single ring every step copies a whole chunk before adding it; several
+# overlap the transfer of one piece with the arithmetic of another
+# (docs/notes/step_time.md).
+RING_SUBDIVISIONS = 4
 
 
 @dataclasses.dataclass

@@ -38,10 +38,10 @@ from autodist.network import ClusterView, in_order_sum, seconds
 from autodist.strategy import common
 from autodist.strategy.base import StrategyError
 from autodist.synchronizers.all_reduce import create_all_reduce_storage
-from autodist.synchronizers.base import (COLLECTIVE_GROUP_KEY, KindCost, KindSampling, Member,
-                                         Ownership, PartStorage, Reduced, SynchronizerKind,
-                                         Target, balanced_groups, collective_numbers,
-                                         draw_group_count)
+from autodist.synchronizers.base import (COLLECTIVE_GROUP_KEY, RING_SUBDIVISIONS, KindCost,
+                                         KindSampling, Member, Ownership, PartStorage, Reduced,
+                                         SynchronizerKind, Target, balanced_groups,
+                                         collective_numbers, draw_group_count)
 
 _COLLECTIVES_PER_GROUP = 2  # the reduce and the gather of the shards' order; a gather per part
 
@@ -212,7 +212,8 @@ class ShardedUpdateSynchronizer(SynchronizerKind):
                     mean = tf.raw_ops.CollectiveReduceV2(
                         input=flat, group_size=ctx.total_replicas,
                         group_key=COLLECTIVE_GROUP_KEY, instance_key=reduce_key,
-                        ordering_token=[], merge_op="Add", final_op="Div")
+                        ordering_token=[], merge_op="Add", final_op="Div",
+                        max_subdivs_per_device=RING_SUBDIVISIONS)
                     pieces = tf.split(mean, [layout.size for layout in layouts])
                     for member, layout, piece in zip(grouped, layouts, pieces):
                         update = member.update(layout.piece(piece, index))
