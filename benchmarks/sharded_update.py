@@ -26,7 +26,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 
 import report
 import step_time
@@ -41,16 +40,8 @@ CLUSTER_NAME = "adshard"
 
 def measure(bandwidth: str, args) -> dict:
     """Builder -> the chief's rows of every round, on a cluster built at ``bandwidth``."""
-    import yaml
-
-    from autodist.cluster import emulate
     rows = {builder: [] for builder in BUILDERS}
-    emulate.down(args.name)  # a cluster left behind by an interrupted run of this script
-    with tempfile.TemporaryDirectory() as tmp, \
-            emulate.emulated_cluster(args.nodes, bandwidth, name=args.name) as cluster:
-        spec = os.path.join(tmp, "spec.yml")
-        with open(spec, "w", encoding="utf-8") as f:
-            yaml.safe_dump(emulate.spec_dict(cluster), f)
+    with step_time.emulated_spec(args.nodes, bandwidth, args.name) as (cluster, spec):
         for round_index in range(args.rounds):
             for builder in BUILDERS:
                 row = step_time.run_case(cluster, spec, builder, args)
@@ -113,12 +104,22 @@ def format_markdown(table: list, args, nbytes: int, command: str) -> str:
                      f"{_seconds(line['ShardedUpdateAR'])} | {ratio} | "
                      f"{_megabytes(line['AllReduce slots'])} MB | "
                      f"{_megabytes(line['ShardedUpdateAR slots'])} MB |")
-    lines += ["", "Findings:", "",
-              "- Each node holds 1/n of the Adam slots under `ShardedUpdateAR` (n replicas), "
-              "and updates 1/n of each variable.",
-              "- TensorFlow's CPU collectives have no reduce-scatter (it is NCCL-only), so the "
-              "sharded update all-reduces the gradient and then all-gathers the shards: 1.5x "
-              "AllReduce's bytes. Where the links bind, that costs more than the update saves.",
+    lines += ["", "Findings:", ""]
+    slots = [line for line in table if line["AllReduce slots"] and line["ShardedUpdateAR slots"]]
+    if slots:
+        share = slots[0]["ShardedUpdateAR slots"] / slots[0]["AllReduce slots"]
+        lines.append(f"- Under `ShardedUpdateAR` each node holds {share:.2f} of AllReduce's Adam "
+                     f"slots (1/{args.nodes} for {args.nodes} replicas) and updates that share "
+                     "of each variable.")
+    timed = [line for line in table if "ratio" in line]
+    if timed:
+        verdicts = ", ".join(f"{'faster' if line['ratio'] > 1 else 'slower'} at "
+                             f"{line['bandwidth']} ({line['ratio']:.2f}x)" for line in timed)
+        lines.append(f"- Step time: sharding is {verdicts}.")
+    lines += ["- TensorFlow's CPU collectives have no reduce-scatter (it is NCCL-only), so the "
+              "sharded update all-reduces the gradient, then all-gathers the shards and writes "
+              "them into each node's copy: 1.5x AllReduce's bytes and two more copies of the "
+              "model per step, against 1/n of the update's work.",
               END]
     return "\n".join(lines)
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import json
 import math
 import os
@@ -664,23 +665,35 @@ def main(argv=None) -> int:
     return 0 if holds is not False else 1
 
 
+@contextlib.contextmanager
+def emulated_spec(nodes: int, bandwidth: str, name: str):
+    """An emulated cluster of ``nodes`` at ``bandwidth`` and its spec file: (cluster, path).
+
+    A cluster of that name left behind by an interrupted run goes first; this one
+    is always removed, even after an error.
+    """
+    import yaml
+
+    from autodist.cluster import emulate
+    emulate.down(name)
+    with tempfile.TemporaryDirectory() as tmp, \
+            emulate.emulated_cluster(nodes, bandwidth, name=name) as cluster:
+        spec = os.path.join(tmp, "spec.yml")
+        with open(spec, "w", encoding="utf-8") as f:
+            yaml.safe_dump(emulate.spec_dict(cluster), f)
+        yield cluster, spec
+
+
 def run_suite(bandwidth: str, builders: list, args, nbytes: int, probe_links: bool):
     """Builds the emulated cluster at ``bandwidth``, runs every builder on it, removes it.
 
     Returns:
         (rows, link measurements or [])
     """
-    import yaml
-
     from autodist.cluster import emulate
     gbit = emulate.parse_rate(bandwidth)
     rows, links = [], []
-    emulate.down(args.name)  # a cluster left behind by an interrupted run of this script
-    with tempfile.TemporaryDirectory() as tmp, \
-            emulate.emulated_cluster(args.nodes, bandwidth, name=args.name) as cluster:
-        spec = os.path.join(tmp, "spec.yml")
-        with open(spec, "w", encoding="utf-8") as f:
-            yaml.safe_dump(emulate.spec_dict(cluster), f)
+    with emulated_spec(args.nodes, bandwidth, args.name) as (cluster, spec):
         if probe_links:
             links = measure_links(spec)
             for m in links:

@@ -106,21 +106,28 @@ STRATEGIES = dict(BUILDERS, **{
 })
 
 
-@pytest.mark.parametrize("builder", sorted(STRATEGIES))
-def test_a_strategy_checkpoint_restores_in_plain_tensorflow(spec_path, tmp_path, builder):
-    trained, path = autodist_job(spec_path, STRATEGIES[builder](), 3,
-                                 save_to=str(tmp_path / "model"))
+def assert_restores_like_single_device(path: str, trained: dict, steps: int) -> dict:
+    """``path`` restores in plain TF to ``trained`` bit for bit, and holds what
+    single-device training holds after ``steps`` steps; returns its entries."""
     restored = plain_restore(path)
     # The variables come back bit for bit as the AutoDist session had them ...
     for name, value in trained.items():
         np.testing.assert_array_equal(restored[name], value, err_msg=name)
     # ... and every entry, slots and Adam's powers included, is what single-device
     # training holds under the same name and shape.
-    want = single_device(3)
+    want = single_device(steps)
     saved = checkpoint_values(path)
     assert sorted(saved) == sorted(want)
     for name, value in want.items():
         np.testing.assert_allclose(saved[name], value, rtol=RTOL, atol=ATOL, err_msg=name)
+    return saved
+
+
+@pytest.mark.parametrize("builder", sorted(STRATEGIES))
+def test_a_strategy_checkpoint_restores_in_plain_tensorflow(spec_path, tmp_path, builder):
+    trained, path = autodist_job(spec_path, STRATEGIES[builder](), 3,
+                                 save_to=str(tmp_path / "model"))
+    assert_restores_like_single_device(path, trained, 3)
 
 
 @pytest.mark.parametrize("builder", ["PS", "PartitionedPS", "AllReduce", "PartitionedAR",

@@ -24,7 +24,7 @@ from autodist.resource_spec import ResourceSpec
 from autodist.simulator import CostModel
 from autodist.strategy import AllReduce, ShardedUpdateAR, Strategy, StrategyError, common
 from autodist.strategy.compiler import compile_strategy
-from test_checkpoint import checkpoint_values, plain_restore, single_device
+from test_checkpoint import assert_restores_like_single_device, checkpoint_values, single_device
 from test_equivalence import OPTIMIZERS, assert_equivalent
 
 tf1 = tf.compat.v1
@@ -135,14 +135,7 @@ def test_a_sharded_checkpoint_has_the_single_device_layout_and_restores_bit_exac
             slots = sess.run({v.op.name: v for v in tf1.global_variables()
                               if v.op.name.endswith("/Adam")})
             path = saver.save(sess, str(tmp_path / "model"))
-    restored = plain_restore(path)
-    for name, value in trained.items():
-        np.testing.assert_array_equal(restored[name], value, err_msg=name)
-    want = single_device(3)
-    saved = checkpoint_values(path)
-    assert sorted(saved) == sorted(want)
-    for name, value in want.items():
-        np.testing.assert_allclose(saved[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
+    saved = assert_restores_like_single_device(path, trained, 3)
     # Fetching a slot stitches the shards too.
     for name, value in slots.items():
         np.testing.assert_array_equal(value, saved[name], err_msg=name)
