@@ -6,7 +6,7 @@ training must equal single-device training on the whole global batch, which
 ``reference`` computes.
 
     python cluster_job.py SPEC BUILDER OUT [--steps N] [--die-at STEP] [--mismatch]
-                          [--restore CHECKPOINT] [--save CHECKPOINT]
+                          [--restore CHECKPOINT] [--save CHECKPOINT] [--optimizer NAME]
 """
 import argparse
 import os
@@ -32,8 +32,15 @@ def global_batch(num_replicas: int):
             rng.randn(rows, 5).astype(np.float32), rng.randn(rows, 2).astype(np.float32))
 
 
-def build_model(extra_op: bool = False):
-    """An embedding (sparse gradient) plus two dense layers, Adam; returns feeds and fetches."""
+OPTIMIZERS = {
+    "adam": lambda: tf1.train.AdamOptimizer(0.05),
+    "sgd": lambda: tf1.train.GradientDescentOptimizer(0.1),
+    "momentum": lambda: tf1.train.MomentumOptimizer(0.1, momentum=0.9),
+}
+
+
+def build_model(extra_op: bool = False, optimizer: str = "adam"):
+    """An embedding (sparse gradient) plus two dense layers; returns feeds and fetches."""
     tf1.set_random_seed(7)
     ids = tf1.placeholder(tf.int32, [None, 3], name="ids")
     x = tf1.placeholder(tf.float32, [None, 5], name="x")
@@ -48,7 +55,7 @@ def build_model(extra_op: bool = False):
     if extra_op:
         features = features * 1.0
     loss = tf.reduce_mean(tf.square(tf.matmul(tf.tanh(tf.matmul(features, w1)), w2) - y))
-    train = tf1.train.AdamOptimizer(0.05).minimize(
+    train = OPTIMIZERS[optimizer]().minimize(
         loss, global_step=tf1.train.get_or_create_global_step())
     return (ids, x, y), loss, train, [embedding, w1, w2]
 
@@ -92,6 +99,7 @@ def main() -> None:
     parser.add_argument("--mismatch", action="store_true", help="workers build another graph")
     parser.add_argument("--restore", help="checkpoint to start from")
     parser.add_argument("--save", help="checkpoint to write after training")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
     args = parser.parse_args()
 
     if args.builder == "AutoStrategy":  # a small search: trials time 1 + 2 of this job's steps
@@ -111,7 +119,8 @@ def main() -> None:
     count = sum(1 for r in replicas if r.host_address == mine)
     rows = slice(start * ROWS_PER_REPLICA, (start + count) * ROWS_PER_REPLICA)
     with tf.Graph().as_default(), ad.scope():
-        inputs, loss, train, variables = build_model(extra_op=args.mismatch and not ad.is_chief)
+        inputs, loss, train, variables = build_model(extra_op=args.mismatch and not ad.is_chief,
+                                                     optimizer=args.optimizer)
         feeds = {t: batch[rows] for t, batch in zip(inputs, global_batch(len(replicas)))}
         saver = Saver()
         sess = ad.create_distributed_session()

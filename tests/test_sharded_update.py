@@ -177,10 +177,10 @@ def three_nodes(tmp_path_factory):
     yield from clusters.emulated(tmp_path_factory, "ads3", [1, 1, 2])
 
 
-def _single_device_state(num_replicas: int, steps: int) -> dict:
+def _single_device_state(num_replicas: int, steps: int, optimizer: str) -> dict:
     """Every global variable of cluster_job's model after single-device training."""
     with tf.Graph().as_default():
-        inputs, _, train, _ = cluster_job.build_model()
+        inputs, _, train, _ = cluster_job.build_model(optimizer=optimizer)
         feeds = dict(zip(inputs, cluster_job.global_batch(num_replicas)))
         with tf1.Session() as sess:
             sess.run(tf1.global_variables_initializer())
@@ -192,21 +192,22 @@ def _single_device_state(num_replicas: int, steps: int) -> dict:
 @pytest.mark.multinode
 @clusters.needs_root
 @pytest.mark.timeout(300)
-def test_a_three_node_cluster_trains_and_saves_like_one_device(three_nodes, tmp_path):
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam"])
+def test_a_three_node_cluster_trains_and_saves_like_one_device(three_nodes, tmp_path, optimizer):
     cluster, spec = three_nodes
     checkpoint = str(tmp_path / "ckpt" / "model")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     done = subprocess.run([*cluster.hosts[0].launch_prefix, sys.executable, JOB, spec,
                            "ShardedUpdateAR", str(tmp_path / "v.npz"), "--steps", str(STEPS),
-                           "--save", checkpoint],
+                           "--save", checkpoint, "--optimizer", optimizer],
                           capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     for node in range(3):
         assert f"node {node} step {STEPS - 1} loss" in done.stdout
-    want = _single_device_state(4, STEPS)
+    want = _single_device_state(4, STEPS, optimizer)
     saved = checkpoint_values(checkpoint)
     assert sorted(saved) == sorted(want)
-    for name, value in want.items():  # the variables, Adam's slots (stitched) and powers
+    for name, value in want.items():  # the variables, the slots (stitched), Adam's powers
         np.testing.assert_allclose(saved[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
     trained = np.load(tmp_path / "v.npz")
     for i, name in enumerate(["embedding", "w1", "w2"]):

@@ -56,8 +56,6 @@ class PartStorage:
         readers: per replica, the variable it reads.
         synchronizer: the kind's instance that made it.
         origin: a copy on the chief that the others start from, or None.
-        shards: copies of pieces of the part that the optimizer updates
-            instead of ``copies`` (a sharded update), or empty.
     """
 
     part: object
@@ -65,7 +63,6 @@ class PartStorage:
     readers: list
     synchronizer: "SynchronizerKind"
     origin: Optional[tf.Variable] = None
-    shards: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -162,6 +162,8 @@ class ShardedUpdateSynchronizer(SynchronizerKind):
     def __init__(self, ctx, keys):
         super().__init__(ctx, keys)
         self._layouts: Dict[str, _Layout] = {}
+        # This node's replicas' positions among all replicas: the shards it updates.
+        self._local = [ctx.replica_index(r) for r in range(ctx.num_replicas)]
         self._gathers = []  # per reduce: its members, a gather key per member, the order's key
 
     def create_storage(self, part, initial_value: tf.Tensor) -> PartStorage:
@@ -172,24 +174,22 @@ class ShardedUpdateSynchronizer(SynchronizerKind):
         shard = -(-size // count)
         layout = _Layout(size, shard, padding=shard * count - size)
         source = origin.read_value() if origin is not None else initial_value
-        local = [ctx.replica_index(r) for r in range(ctx.num_replicas)]
         # The chief also holds the other nodes' shards, to save and fetch their slots.
-        for replica in (range(count) if ctx.is_chief else local):
+        for replica in (range(count) if ctx.is_chief else self._local):
             with tf.device(ctx.tf_device(ctx.replicas[replica])):
                 layout.shards[replica] = tf.Variable(layout.piece(source, replica),
                                                      trainable=False,
                                                      name=f"{part.name}/shard_{replica}")
         self._layouts[part.name] = layout
-        return PartStorage(part, [copy], [copy] * ctx.num_replicas, self, origin,
-                           shards=[layout.shards[r] for r in local])
+        return PartStorage(part, [copy], [copy] * ctx.num_replicas, self, origin)
 
     def initialization(self, storage: PartStorage) -> Ownership:
-        layout = self._layouts[storage.part.name]
-        local = set(map(id, storage.shards))
-        elsewhere = [v for v in layout.shards.values() if id(v) not in local]
+        shards = self._layouts[storage.part.name].shards
+        elsewhere = [v for index, v in shards.items() if index not in self._local]
         if storage.origin is None:
             return Ownership(elsewhere=elsewhere)
-        return Ownership(chief=[storage.origin], derived=[*storage.copies, *storage.shards],
+        return Ownership(chief=[storage.origin],
+                         derived=[*storage.copies, *(shards[index] for index in self._local)],
                          elsewhere=elsewhere)
 
     def synchronize(self, members: List[Member]) -> Reduced:
@@ -204,8 +204,7 @@ class ShardedUpdateSynchronizer(SynchronizerKind):
             self._gathers.append((grouped, [self.keys.take() for _ in grouped],
                                   self.keys.take()))
             layouts = [self._layouts[m.storage.part.name] for m in grouped]
-            for replica in range(ctx.num_replicas):
-                index = ctx.replica_index(replica)
+            for replica, index in enumerate(self._local):
                 with tf.device(ctx.replica_tf_device(replica)), \
                         tf.name_scope(f"{replica_scope(replica)}/{grouped[0].storage.part.name}"):
                     flat = tf.concat([tf.reshape(m.grads[replica], [-1]) for m in grouped], 0)
@@ -220,10 +219,9 @@ class ShardedUpdateSynchronizer(SynchronizerKind):
                         out.local_updates.append(dataclasses.replace(
                             update, variable=layout.shards[index],
                             shard=(index * layout.shard, layout.shard)))
-            local = {ctx.replica_index(r) for r in range(ctx.num_replicas)}
             for member, layout in zip(grouped, layouts):
                 for index, shard in layout.shards.items():
-                    if index not in local:
+                    if index not in self._local:
                         with tf.device(shard.device):
                             update = member.update(tf.zeros([layout.shard], dtype))
                         out.foreign_updates.append(dataclasses.replace(
@@ -238,8 +236,7 @@ class ShardedUpdateSynchronizer(SynchronizerKind):
         # copy fewer for every byte of the model than one gather per group.
         for grouped, value_keys, order_key in self._gathers:
             layouts = [self._layouts[m.storage.part.name] for m in grouped]
-            for replica in range(ctx.num_replicas):
-                index = ctx.replica_index(replica)
+            for replica, index in enumerate(self._local):
                 with tf.device(ctx.replica_tf_device(replica)):
                     gathered = []
                     for layout, key in zip(layouts, value_keys):
@@ -282,8 +279,7 @@ class ShardedUpdateSynchronizer(SynchronizerKind):
     def _shard_targets(self, storage: PartStorage, variable_of) -> List[Target]:
         layout = self._layouts[storage.part.name]
         targets = []
-        for replica in range(self.ctx.num_replicas):
-            index = self.ctx.replica_index(replica)
+        for index in self._local:
             variable = variable_of(layout.shards[index])
             if variable is not None:
                 targets.append(Target(variable, lambda value, i=index: layout.piece(value, i)))
