@@ -51,7 +51,7 @@ the strategy, and the model exists to rank strategies, not to predict wall time.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple, Union
+from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 

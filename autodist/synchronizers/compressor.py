@@ -13,9 +13,12 @@ read the classes' facts and load without it.
 from __future__ import annotations
 
 import functools
-from typing import ClassVar, Dict, List, Optional, Type
+from typing import TYPE_CHECKING, ClassVar, Dict, List, Optional, Type
 
 import numpy as np
+
+if TYPE_CHECKING:  # for the annotations only
+    import tensorflow as tf
 
 from autodist.proto import synchronizers_pb2
 
