@@ -228,3 +228,28 @@ def test_keras_global_clipnorm_over_sharded_gradients_is_refused(spec_path):
     from test_keras import fit_autodist
     with pytest.raises(NotImplementedError, match="is sharded across replicas"):
         fit_autodist(spec_path, ShardedUpdateAR(), "mlp", "sgd-clipped")
+
+
+def test_running_a_variables_initializer_resets_its_shards_too(spec_path):
+    """Then the next step starts from the initial value, as on one device."""
+    def train(ad=None):
+        def steps(sess, built):
+            for _ in range(2):
+                sess.run(built.train_op, built.feeds)
+            sess.run(models.as_tf_variable(built.variables[0]).initializer)
+            sess.run(built.train_op, built.feeds)
+            return sess.run(built.variables[0])
+
+        with tf.Graph().as_default():
+            if ad is None:
+                built = models.MODELS["dense"](OPTIMIZERS["sgd"])
+                with tf1.Session() as sess:
+                    sess.run(tf1.global_variables_initializer())
+                    return steps(sess, built)
+            with ad.scope():
+                built = models.MODELS["dense"](OPTIMIZERS["sgd"])
+                with ad.create_distributed_session() as sess:
+                    return steps(sess, built)
+
+    np.testing.assert_allclose(train(AutoDist(spec_path, ShardedUpdateAR())), train(),
+                               rtol=1e-5, atol=1e-5)

@@ -56,8 +56,9 @@ class VariableStorage:
             return partitioner.stitch(reads, self.compiled.plan)
 
     def initializer(self) -> tf.Operation:
-        """Initializes every stored copy of the variable."""
-        return tf.group(*[c.initializer for p in self.parts for c in p.copies + p.readers])
+        """Initializes every stored copy of the variable on this node."""
+        return tf.group(*[v.initializer for p in self.parts
+                          for v in p.synchronizer.initialized_with_part(p)])
 
 
 @dataclasses.dataclass

@@ -331,6 +331,10 @@ class SynchronizerKind:
         """
         return steps
 
+    def initialized_with_part(self, storage: PartStorage) -> list:
+        """The variables on this node that running the part's initializer resets."""
+        return _unique(storage.copies + storage.readers)
+
     def restore_targets(self, storage: PartStorage) -> List[Target]:
         """What a restore assigns the part's value to on this node."""
         return [Target(v) for v in _unique(storage.copies + storage.readers)]

@@ -258,6 +258,10 @@ class ShardedUpdateSynchronizer(SynchronizerKind):
                                          member.storage.part.shape), read_value=False))
         return ops
 
+    def initialized_with_part(self, storage: PartStorage) -> list:
+        shards = self._layouts[storage.part.name].shards
+        return [*super().initialized_with_part(storage), *(shards[i] for i in self._local)]
+
     def restore_targets(self, storage: PartStorage) -> List[Target]:
         return [Target(storage.copies[0]), *self._shard_targets(storage, lambda s: s)]
 
