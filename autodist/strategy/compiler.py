@@ -103,8 +103,9 @@ def _compile_variable(node, info: VariableInfo, devices: set, strategy_id: str):
 
 def check_configs_match(strategy_id: str, configured: list, variables: list) -> None:
     """Raises StrategyError unless ``configured`` names exactly the ``variables``."""
-    missing = [name for name in variables if name not in set(configured)]
-    extra = [name for name in configured if name not in set(variables)]
+    configured_names, variable_names = set(configured), set(variables)
+    missing = [name for name in variables if name not in configured_names]
+    extra = [name for name in configured if name not in variable_names]
     if missing or extra:
         raise StrategyError(
             f"Strategy {strategy_id} does not match the graph: variables in the graph "
