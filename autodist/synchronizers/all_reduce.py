@@ -32,7 +32,8 @@ from autodist.synchronizers.base import (COLLECTIVE_GROUP_KEY, RING_SUBDIVISIONS
                                          CollectiveKeys, KindCost, KindSampling, Member,
                                          Ownership, PartStorage, Reduced,
                                          SynchronizerKind, balanced_groups, collective_numbers,
-                                         draw_group_count, draw_share)
+                                         draw_group_count, draw_share, launch_order,
+                                         most_groups)
 from autodist.synchronizers.compressor import LOSSY, compressor_class
 
 _CONFIG = synchronizers_pb2.AllReduceSynchronizer
@@ -71,23 +72,20 @@ class AllReduceSynchronizer(SynchronizerKind):
         sparse = index[parts.sparse[index]]
         gather = seconds((n - 1) * parts.grad_bytes[sparse], gbps)
         dense = index[~parts.sparse[index]]
-        _, first, collective = np.unique(collective_numbers(parts, dense), return_index=True,
-                                         return_inverse=True)
-        collective = np.argsort(np.argsort(first))[collective]  # numbered in launch order
+        collective, launches = launch_order(parts, dense)
         # Each dtype's collective moves its own bytes; the ring time is linear in them,
         # so it adds up per group as it would for one buffer.
-        collective_bytes = np.bincount(collective, parts.wire_bytes[dense],
-                                       minlength=len(first))
+        collective_bytes = np.bincount(collective, parts.wire_bytes[dense], minlength=launches)
         ring_factor = 2.0 * (n - 1) / n
         features = {"ring_all_reduce": in_order_sum(seconds(ring_factor * collective_bytes,
                                                             gbps)),
                     "all_gather": in_order_sum(gather),
                     "collective_latency": float(_GATHERS_PER_SPARSE_PART * len(sparse)
-                                                + len(first)),
+                                                + launches),
                     "all_reduce_part_overhead": float(len(index))}
         order = np.argsort(collective, kind="stable")
         dense, collective = dense[order], collective[order]
-        members = np.bincount(collective, minlength=len(first))
+        members = np.bincount(collective, minlength=launches)
         ring = seconds(ring_factor * parts.wire_bytes[dense], gbps)
         return KindCost(features, [
             (sparse, [("all_gather", gather, True),
@@ -338,18 +336,15 @@ class _AllReduceSampling(KindSampling):
 
     def __init__(self, variables: list, constraints):
         self._constraints = constraints
-        # An upper bound of the all-reduced units, the most groups that can be useful.
-        self._most_units = sum(
-            constraints.max_partitions if v.size_bytes > constraints.partition_threshold_bytes
-            else 1 for v in variables if v.has_grad)
+        self._most_groups = most_groups(variables, constraints)
 
     def allowed(self, var) -> bool:
         return not var.sparse_grad or self._constraints.sparse_all_reduce
 
     def draw_knobs(self, rng: random.Random) -> _Knobs:
         c = self._constraints
-        groups = draw_group_count(rng, min(c.max_groups or self._most_units, self._most_units))
-        return _Knobs(groups, draw_share(rng) if c.allow_fp16 else 0.0)
+        return _Knobs(draw_group_count(rng, self._most_groups),
+                      draw_share(rng) if c.allow_fp16 else 0.0)
 
     def configs(self, units: list, knobs: _Knobs, rng: random.Random) -> Dict[str, object]:
         """Groups of balanced bytes (:func:`balanced_groups`); a group's compressor is

@@ -213,6 +213,23 @@ def collective_numbers(parts, index: np.ndarray) -> np.ndarray:
     return parts.group[index] * (parts.dtype.max(initial=0) + 1) + parts.dtype[index]
 
 
+def launch_order(parts, index: np.ndarray) -> Tuple[np.ndarray, int]:
+    """Each dense part's collective, numbered in the order the kernel launches them
+    (of first appearance among ``index``), and how many collectives there are."""
+    _, first, collective = np.unique(collective_numbers(parts, index), return_index=True,
+                                     return_inverse=True)
+    return np.argsort(np.argsort(first))[collective], len(first)
+
+
+def most_groups(variables: list, constraints) -> int:
+    """The most collective groups per dtype a sampler may draw: at most
+    ``constraints.max_groups``, and no more than the units there can be."""
+    # An upper bound of the synchronized units, the most groups that can be useful.
+    units = sum(constraints.max_partitions if v.size_bytes > constraints.partition_threshold_bytes
+                else 1 for v in variables if v.has_grad)
+    return min(constraints.max_groups or units, units)
+
+
 def draw_group_count(rng: random.Random, most: int) -> int:
     """How many collective groups per dtype, from 1 to ``most``, log-uniform.
 

@@ -41,7 +41,8 @@ from autodist.synchronizers.all_reduce import create_all_reduce_storage
 from autodist.synchronizers.base import (COLLECTIVE_GROUP_KEY, RING_SUBDIVISIONS, KindCost,
                                          KindSampling, Member, Ownership, PartStorage, Reduced,
                                          SynchronizerKind, Target, balanced_groups,
-                                         collective_numbers, draw_group_count)
+                                         collective_numbers, draw_group_count, launch_order,
+                                         most_groups)
 
 _COLLECTIVES_PER_GROUP = 2  # the reduce and the gather of the shards' order; a gather per part
 
@@ -120,16 +121,14 @@ class ShardedUpdateSynchronizer(SynchronizerKind):
         if n < 2 or not index.size:
             return KindCost({}, [])
         gbps = cluster.ring_gbps()
-        _, first, collective = np.unique(collective_numbers(parts, index), return_index=True,
-                                         return_inverse=True)
-        collective = np.argsort(np.argsort(first))[collective]  # numbered in launch order
+        collective, launches = launch_order(parts, index)
         order = np.argsort(collective, kind="stable")
         index, collective = index[order], collective[order]
-        members = np.bincount(collective, minlength=len(first))
+        members = np.bincount(collective, minlength=launches)
         ring = seconds(2.0 * (n - 1) / n * parts.wire_bytes[index], gbps)
         gather = seconds((n - 1) / n * parts.value_bytes[index], gbps)
         features = {"ring_all_reduce": in_order_sum(ring), "all_gather": in_order_sum(gather),
-                    "collective_latency": float(_COLLECTIVES_PER_GROUP * len(first)
+                    "collective_latency": float(_COLLECTIVES_PER_GROUP * launches
                                                 + len(index)),
                     "all_reduce_part_overhead": float(len(index))}
         return KindCost(features, [(index, [
@@ -322,17 +321,13 @@ class _ShardedSampling(KindSampling):
 
     def __init__(self, variables: list, resource_spec, constraints):
         self._smallest = len(resource_spec.replica_devices) * constraints.max_partitions
-        self._most_units = sum(
-            constraints.max_partitions if v.size_bytes > constraints.partition_threshold_bytes
-            else 1 for v in variables if v.has_grad)
-        self._max_groups = constraints.max_groups
+        self._most_groups = most_groups(variables, constraints)
 
     def allowed(self, var) -> bool:
         return not var.sparse_grad and math.prod(map(int, var.shape)) >= self._smallest
 
     def draw_knobs(self, rng: random.Random) -> _Knobs:
-        return _Knobs(draw_group_count(rng, min(self._max_groups or self._most_units,
-                                                self._most_units)))
+        return _Knobs(draw_group_count(rng, self._most_groups))
 
     def configs(self, units: list, knobs: _Knobs, rng: random.Random) -> dict:
         groups, _ = balanced_groups(units, knobs.groups)
