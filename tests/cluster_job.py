@@ -60,16 +60,22 @@ def build_model(extra_op: bool = False, optimizer: str = "adam"):
     return (ids, x, y), loss, train, [embedding, w1, w2]
 
 
-def reference(num_replicas: int, steps: int) -> list:
-    """Single-device training on the global batch: the values every strategy must reach."""
+def single_device_state(num_replicas: int, steps: int, optimizer: str = "adam") -> dict:
+    """Every global variable (slots included) after single-device training on the global batch."""
     with tf.Graph().as_default():
-        inputs, _, train, variables = build_model()
+        inputs, _, train, _ = build_model(optimizer=optimizer)
         feeds = dict(zip(inputs, global_batch(num_replicas)))
         with tf1.Session() as sess:
             sess.run(tf1.global_variables_initializer())
             for _ in range(steps):
                 sess.run(train, feeds)
-            return sess.run(variables)
+            return {v.op.name: sess.run(v) for v in tf1.global_variables()}
+
+
+def reference(num_replicas: int, steps: int) -> list:
+    """Single-device training on the global batch: the values every strategy must reach."""
+    state = single_device_state(num_replicas, steps)
+    return [state[name] for name in ("embedding", "w1", "w2")]
 
 
 class SummedPerNodePS(StrategyBuilder):

@@ -177,18 +177,6 @@ def three_nodes(tmp_path_factory):
     yield from clusters.emulated(tmp_path_factory, "ads3", [1, 1, 2])
 
 
-def _single_device_state(num_replicas: int, steps: int, optimizer: str) -> dict:
-    """Every global variable of cluster_job's model after single-device training."""
-    with tf.Graph().as_default():
-        inputs, _, train, _ = cluster_job.build_model(optimizer=optimizer)
-        feeds = dict(zip(inputs, cluster_job.global_batch(num_replicas)))
-        with tf1.Session() as sess:
-            sess.run(tf1.global_variables_initializer())
-            for _ in range(steps):
-                sess.run(train, feeds)
-            return {v.op.name: sess.run(v) for v in tf1.global_variables()}
-
-
 @pytest.mark.multinode
 @clusters.needs_root
 @pytest.mark.timeout(300)
@@ -204,7 +192,7 @@ def test_a_three_node_cluster_trains_and_saves_like_one_device(three_nodes, tmp_
     assert done.returncode == 0, done.stderr[-3000:]
     for node in range(3):
         assert f"node {node} step {STEPS - 1} loss" in done.stdout
-    want = _single_device_state(4, STEPS, optimizer)
+    want = cluster_job.single_device_state(4, STEPS, optimizer)
     saved = checkpoint_values(checkpoint)
     assert sorted(saved) == sorted(want)
     for name, value in want.items():  # the variables, the slots (stitched), Adam's powers
