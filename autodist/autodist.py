@@ -23,6 +23,8 @@ from autodist.strategy.compiler import CompiledStrategy, compile_strategy
 
 THREADS_ENV = ("AUTODIST_INTRA_OP_THREADS", "AUTODIST_INTER_OP_THREADS")
 JOIN_TIMEOUT_S = 300.0
+# Each run of a cycle but the last keeps its sparse gradients in a stash of its own.
+MAX_ACCUMULATION_STEPS = 1024
 
 
 class AutoDist:
@@ -60,15 +62,29 @@ class AutoDist:
         trial_hooks: what a strategy search changes in this job (its spec, a
             capture of the graph, a timed trial of a candidate); by default the
             ones ``autodist search`` set for this process, none outside a search.
+        accumulation_steps: runs of the train op (``fit`` batches, ``ad.function``
+            calls) per update. Each run computes its gradients and keeps them on
+            its replicas, with no communication; every ``accumulation_steps``-th
+            run averages the kept gradients across replicas and nodes and
+            applies them once, as single-device training on the concatenation
+            of those runs' batches would.
 
     Raises:
         ResourceSpecError: when the spec is missing or invalid.
         TypeError: when ``strategy_builder`` is neither a builder nor a Strategy.
+        ValueError: when ``accumulation_steps`` is not an int from 1 to
+            ``MAX_ACCUMULATION_STEPS``.
     """
 
     def __init__(self, resource_spec_file: str,
                  strategy_builder: Union[StrategyBuilder, Strategy, None] = None,
-                 trial_hooks: Optional[trial.TrialHooks] = None):
+                 trial_hooks: Optional[trial.TrialHooks] = None, accumulation_steps: int = 1):
+        if (isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int)
+                or not 1 <= accumulation_steps <= MAX_ACCUMULATION_STEPS):
+            raise ValueError(
+                f"AutoDist: accumulation_steps must be an int from 1 to "
+                f"{MAX_ACCUMULATION_STEPS}, not {str(accumulation_steps)[:40]!r}.")
+        self._accumulation_steps = accumulation_steps
         self._trial = trial_hooks if trial_hooks is not None else trial.TrialHooks.from_environment()
         self._resource_spec = ResourceSpec(self._trial.resource_spec_file(resource_spec_file))
         if strategy_builder is None:
@@ -155,6 +171,8 @@ class AutoDist:
 
     def _open_session(self, item: GraphItem, config: Optional[tf.compat.v1.ConfigProto] = None
                       ) -> DistributedSession:
+        # Before anything reads the item: the fingerprint and the search count it.
+        item.accumulation_steps = self._accumulation_steps
         self._trial.before_session(item.trainable_variables, item.fingerprint,
                                    self._resource_spec.source, self.is_chief)
         if len(self._resource_spec.nodes) == 1:

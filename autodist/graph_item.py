@@ -110,6 +110,10 @@ class GraphItem:
         state_per_node: whether each node of a cluster keeps its own copy of the
             non-trainable variables (see ``KernelContext.state_per_node``).
 
+    Attributes:
+        accumulation_steps: runs of the train op whose gradients one update
+            applies (``AutoDist(accumulation_steps=...)``); 1 by default.
+
     Raises:
         ValueError: when the graph has no captured optimizer call.
     """
@@ -123,6 +127,7 @@ class GraphItem:
         self.graph = graph
         self.optimizer_call = optimizer_call
         self.state_per_node = state_per_node
+        self.accumulation_steps = 1
         self.graph_def = graph.as_graph_def()
         with graph.as_default():
             self._trainables = [v for v in tf.compat.v1.trainable_variables()
@@ -199,6 +204,8 @@ class GraphItem:
                                  for key in attrs])).encode())
         for function in self.graph_def.library.function:
             digest.update(function.signature.name.encode())
+        if self.accumulation_steps != 1:  # every node must sync in the same runs
+            digest.update(f"accumulation_steps={self.accumulation_steps}".encode())
         return digest.hexdigest()[:16]
 
     def is_replicated(self, tensor_or_op_name: str) -> bool:

@@ -49,7 +49,9 @@ class DistributedSession:
     op of the model runs it on every replica; a fetched tensor computed per
     replica comes back as the replicas' mean (float scalars, e.g. a loss), their
     concatenation (batch-major tensors) or replica 0's value (anything else).
-    Feeds of batched placeholders are split across the local replicas.
+    Feeds of batched placeholders are split across the local replicas. With
+    gradient accumulation over ``k`` runs, a run fetching the train op only
+    keeps its gradients, but every ``k``-th, which applies the update.
 
     Args:
         distributed: the transformed graph.
@@ -86,8 +88,8 @@ class DistributedSession:
         self._monitor = monitor
         self._on_step = on_step
         self._stuck_nodes = stuck_nodes
-        self._step_seconds = []  # the latest training runs' durations
-        self._steps_done = 0
+        self._step_seconds = []  # the latest updating runs' durations
+        self._steps_done = 0  # training runs, accumulating ones included
         self._session = self._watched(tf.compat.v1.Session, target=target, graph=self._graph,
                                       config=config)
         self._watched(self._initialize, init_timeout)
@@ -173,19 +175,28 @@ class DistributedSession:
             self._check_rows(key, value)
             for target in self._map_feed(key):
                 feeds[target] = value
-        trained = any(f is self._distributed.train_op for f in tf.nest.flatten(mapped))
+        train_op = self._distributed.train_op
+        trained = any(f is train_op for f in tf.nest.flatten(mapped))
+        accumulate_ops = self._distributed.accumulate_ops
+        # Runs 0 .. k-2 of a cycle keep their gradients; run k-1 updates.
+        cycle_run = self._steps_done % (len(accumulate_ops) + 1)
+        updates = trained and cycle_run == len(accumulate_ops)
+        if trained and not updates:
+            accumulate = accumulate_ops[cycle_run]
+            mapped = tf.nest.map_structure(lambda f: accumulate if f is train_op else f, mapped)
         bound = self._stuck_bound() if trained else None
         started = time.monotonic()
         result = self._watched(self._session.run, mapped, feed_dict=feeds, options=options,
                                run_metadata=run_metadata, stuck_after=bound)
         second = self._distributed.remote_step_op
-        if second is not None and trained:
+        if second is not None and updates:
             left = None if bound is None else max(0.0, bound - (time.monotonic() - started))
             self._watched(self._session.run, second, stuck_after=left)
         if trained:
             self._steps_done += 1
-            self._step_seconds = (self._step_seconds + [time.monotonic() - started])[
-                -_STEP_HISTORY:]
+            if updates:
+                self._step_seconds = (self._step_seconds + [time.monotonic() - started])[
+                    -_STEP_HISTORY:]
             if self._on_step is not None:
                 self._on_step()
         return result

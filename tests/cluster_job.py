@@ -5,8 +5,13 @@ own rows of a global batch, as many per replica on every node, so synchronous
 training must equal single-device training on the whole global batch, which
 ``reference`` computes.
 
+With ``--accumulation-steps K`` each run feeds another global batch, and one
+update applies K runs' gradients: single-device training on the
+concatenation of those K batches.
+
     python cluster_job.py SPEC BUILDER OUT [--steps N] [--die-at STEP] [--mismatch]
                           [--restore CHECKPOINT] [--save CHECKPOINT] [--optimizer NAME]
+                          [--accumulation-steps K]
 """
 import argparse
 import os
@@ -25,8 +30,9 @@ ROWS_PER_REPLICA = 4
 tf1 = tf.compat.v1
 
 
-def global_batch(num_replicas: int):
-    rng = np.random.RandomState(0)
+def global_batch(num_replicas: int, run: int = 0):
+    """The global batch of one run: the same every run unless runs are accumulated."""
+    rng = np.random.RandomState(run)
     rows = ROWS_PER_REPLICA * num_replicas
     return (rng.randint(0, 12, size=(rows, 3)).astype(np.int32),
             rng.randn(rows, 5).astype(np.float32), rng.randn(rows, 2).astype(np.float32))
@@ -60,21 +66,33 @@ def build_model(extra_op: bool = False, optimizer: str = "adam"):
     return (ids, x, y), loss, train, [embedding, w1, w2]
 
 
-def single_device_state(num_replicas: int, steps: int, optimizer: str = "adam") -> dict:
-    """Every global variable (slots included) after single-device training on the global batch."""
+def run_batch(num_replicas: int, run: int, accumulation_steps: int):
+    """What run ``run`` of the job feeds, as a global batch."""
+    return global_batch(num_replicas, run if accumulation_steps > 1 else 0)
+
+
+def single_device_state(num_replicas: int, steps: int, optimizer: str = "adam",
+                        accumulation_steps: int = 1) -> dict:
+    """Every global variable (slots included) after single-device training on the global batch.
+
+    With accumulation, each of the ``steps // accumulation_steps`` updates trains
+    on the concatenation of its runs' batches.
+    """
     with tf.Graph().as_default():
         inputs, _, train, _ = build_model(optimizer=optimizer)
-        feeds = dict(zip(inputs, global_batch(num_replicas)))
         with tf1.Session() as sess:
             sess.run(tf1.global_variables_initializer())
-            for _ in range(steps):
-                sess.run(train, feeds)
+            for update in range(steps // accumulation_steps):
+                runs = [run_batch(num_replicas, update * accumulation_steps + j,
+                                  accumulation_steps) for j in range(accumulation_steps)]
+                sess.run(train, {t: np.concatenate(column)
+                                 for t, column in zip(inputs, zip(*runs))})
             return {v.op.name: sess.run(v) for v in tf1.global_variables()}
 
 
-def reference(num_replicas: int, steps: int) -> list:
+def reference(num_replicas: int, steps: int, accumulation_steps: int = 1) -> list:
     """Single-device training on the global batch: the values every strategy must reach."""
-    state = single_device_state(num_replicas, steps)
+    state = single_device_state(num_replicas, steps, accumulation_steps=accumulation_steps)
     return [state[name] for name in ("embedding", "w1", "w2")]
 
 
@@ -106,6 +124,7 @@ def main() -> None:
     parser.add_argument("--restore", help="checkpoint to start from")
     parser.add_argument("--save", help="checkpoint to write after training")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
+    parser.add_argument("--accumulation-steps", type=int, default=1)
     args = parser.parse_args()
 
     if args.builder == "AutoStrategy":  # a small search: trials time 1 + 2 of this job's steps
@@ -117,7 +136,7 @@ def main() -> None:
         builder = SummedPerNodePS()
     else:
         builder = get_builder(args.builder)
-    ad = AutoDist(args.spec, builder)
+    ad = AutoDist(args.spec, builder, accumulation_steps=args.accumulation_steps)
     replicas = ad.resource_spec.replica_devices
     nodes = ordered_nodes(ad.resource_spec)
     mine = nodes[ad.node_index]
@@ -127,7 +146,6 @@ def main() -> None:
     with tf.Graph().as_default(), ad.scope():
         inputs, loss, train, variables = build_model(extra_op=args.mismatch and not ad.is_chief,
                                                      optimizer=args.optimizer)
-        feeds = {t: batch[rows] for t, batch in zip(inputs, global_batch(len(replicas)))}
         saver = Saver()
         sess = ad.create_distributed_session()
         if args.restore:
@@ -136,7 +154,8 @@ def main() -> None:
             if step == args.die_at and not ad.is_chief:
                 print(f"node {ad.node_index} dies at {time.time():.3f}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
-            value, _ = sess.run([loss, train], feeds)
+            batch = run_batch(len(replicas), step, args.accumulation_steps)
+            value, _ = sess.run([loss, train], {t: b[rows] for t, b in zip(inputs, batch)})
             print(f"node {ad.node_index} step {step} loss {value:.6f}", flush=True)
         values = sess.run(variables)
         if args.save:

@@ -70,6 +70,27 @@ def test_cluster_training_equals_single_device(request, tmp_path, cluster_name, 
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("accumulation_steps", [2, 4])
+@pytest.mark.parametrize("builder", ["PS", "PartitionedPS", "AllReduce", "Parallax"])
+def test_accumulated_gradients_equal_one_device_on_the_concatenated_batches(
+        two_nodes, tmp_path, builder, accumulation_steps):
+    # 4 runs, each feeding another global batch: 4 / k updates, each on k batches.
+    cluster, spec = two_nodes
+    out = tmp_path / "variables.npz"
+    runs = 4
+    done = _run_job(cluster, spec, builder, out, "--steps", str(runs),
+                    "--accumulation-steps", str(accumulation_steps))
+    assert done.returncode == 0, done.stderr[-3000:]
+    want = cluster_job.reference(2, runs, accumulation_steps)
+    got = np.load(out)
+    for i, expected in enumerate(want):
+        np.testing.assert_allclose(got[f"arr_{i}"], expected, rtol=1e-5, atol=1e-5)
+    for node in range(2):
+        assert f"node {node} step {runs - 1} loss" in done.stdout
+    _assert_no_job_left()
+
+
+@pytest.mark.timeout(240)
 def test_nodes_summing_their_replicas_first_train_like_one_device(three_nodes, tmp_path):
     # Node 3 has two replicas: with a transfer_destination it pushes their sum.
     cluster, spec = three_nodes

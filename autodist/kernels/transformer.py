@@ -8,8 +8,10 @@ The stages, each owned by one kernel module:
                                  partitioned variables re-stitched per replica
 3. replicator.replicate          the model once per local replica; state the
                                  forward pass assigns merged into one write
-4. synchronizer kinds            gradients weighted by each replica's rows, cut
-                                 per part, then reduced by each part's kind
+4. accumulator, synchronizer kinds
+                                 gradients weighted by each replica's rows (and
+                                 accumulated over runs), cut per part, then
+                                 reduced by each part's kind
 5. update                        the graph's optimizer update (``item.optimizer_call``)
                                  recreated for every stored copy; then each
                                  kind's end-of-step work
@@ -29,9 +31,11 @@ from autodist import _tf_compat
 from autodist.graph_item import GraphItem, PartUpdate
 from autodist.kernel_context import KernelContext, replica_scope
 from autodist.kernels import partitioner, replicator
+from autodist.kernels.accumulator import Accumulation
 from autodist.strategy.compiler import CompiledStrategy, CompiledVariable
 from autodist.synchronizers import KINDS
-from autodist.synchronizers.base import CollectiveKeys, Member, PartStorage, Reduced
+from autodist.synchronizers.base import (CollectiveKeys, Member, PartStorage, Reduced,
+                                         local_variable)
 
 
 @dataclasses.dataclass
@@ -81,6 +85,9 @@ class DistributedGraph:
     optimizers: list = dataclasses.field(default_factory=list)  # updates' optimizer copies
     train_op: Optional[tf.Operation] = None
     remote_step_op: Optional[tf.Operation] = None  # a split step's second run, after train_op's
+    # With gradient accumulation over k runs: what runs 0 .. k-2 of a cycle run
+    # instead of train_op (see ``accumulator``).
+    accumulate_ops: tuple = ()
     init_ops: tuple = ()
     chief_uninitialized: Optional[tf.Tensor] = None
 
@@ -114,13 +121,17 @@ def transform(item: GraphItem, compiled: CompiledStrategy, ctx: KernelContext) -
             result.storage[name] = _create_storage(item, variable, ctx, synchronizers)
         state_writes = replicator.replicate(
             item, ctx, {n: s.handles for n, s in result.storage.items()}, deferred)
-        reduced = _synchronize(result, synchronizers)
+        accumulation = Accumulation(item.accumulation_steps)
+        reduced = _synchronize(result, synchronizers, accumulation)
         result.train_op, result.remote_step_op, foreign = _apply_updates(
             item, reduced, list(synchronizers.values()), shared_variables, ctx,
             result.optimizers)
-        if state_writes:
-            result.train_op = tf.group(result.train_op, *state_writes,
+        if state_writes or accumulation.resets:
+            result.train_op = tf.group(result.train_op, *state_writes, *accumulation.resets,
                                        name="autodist_train_op_and_state")
+        result.accumulate_ops = tuple(
+            tf.group(*run, *state_writes, name=f"autodist_accumulate_{j}")
+            for j, run in enumerate(accumulation.runs))
         _reconnect(result, deferred)
         _plan_initialization(result, list(shared_variables.values()),
                              list(synchronizers.values()), foreign)
@@ -180,18 +191,22 @@ def _stitched_handle(variable: CompiledVariable, parts: list, replica: int,
     Any consumer of the variable (reads, gathers, loops) can use it unchanged.
     """
     with tf.device(ctx.replica_tf_device(replica)):
-        stitched = tf.Variable(tf.zeros(variable.info.shape, variable.info.dtype),
-                               trainable=False,
-                               collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES],
-                               name=f"{replica_scope(replica)}/{variable.info.name}/stitched")
+        stitched = local_variable(tf.zeros(variable.info.shape, variable.info.dtype),
+                                  f"{replica_scope(replica)}/{variable.info.name}/stitched")
         refresh = stitched.assign(partitioner.stitch(
             [p.readers[replica].read_value() for p in parts], variable.plan))
         with tf.control_dependencies([refresh]):
             return tf.identity(stitched.handle)
 
 
-def _synchronize(result: DistributedGraph, synchronizers: dict) -> Reduced:
-    """Cuts gradients per part and has each part's kind reduce them."""
+def _synchronize(result: DistributedGraph, synchronizers: dict,
+                 accumulation: Accumulation) -> Reduced:
+    """Cuts gradients per part and has each part's kind reduce them.
+
+    Args:
+        accumulation: receives the ops keeping gradients between runs, when a
+            cycle has several.
+    """
     item, ctx = result.item, result.ctx
     members = {field: [] for field in synchronizers}
     weights = replicator.row_weights(item, ctx)
@@ -203,6 +218,12 @@ def _synchronize(result: DistributedGraph, synchronizers: dict) -> Reduced:
                        for r in range(ctx.num_replicas)]
         if weights:
             per_replica = [_scaled(g, w) for g, w in zip(per_replica, weights)]
+        if accumulation.steps > 1:
+            per_replica = [
+                accumulation.mean_gradient(g, ctx.replica_tf_device(r),
+                                           f"{replica_scope(r)}/{name}",
+                                           storage.compiled.info.shape)
+                for r, g in enumerate(per_replica)]
         plan = storage.compiled.plan
         if plan is not None:
             with tf.name_scope(f"{name}/partition_gradient"):

@@ -177,6 +177,16 @@ class KindSampling:
         raise NotImplementedError
 
 
+def local_variable(initial_value, name: str, shape=None) -> tf.Variable:
+    """A variable of this node alone, in ``LOCAL_VARIABLES``: never saved, never shared.
+
+    ``tf.Variable`` ignores ``collections`` and would make it a global variable.
+    """
+    return tf.compat.v1.Variable(initial_value, trainable=False, name=name, shape=shape,
+                                 collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES],
+                                 use_resource=True)
+
+
 def balanced_groups(units: list, groups_per_dtype: int) -> Tuple[Dict[str, int], Dict[int, str]]:
     """Unit name -> collective group for ``units``, and group -> its dtype.
 

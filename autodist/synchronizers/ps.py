@@ -22,7 +22,7 @@ from autodist.strategy import common
 from autodist.strategy.base import StrategyError
 from autodist.synchronizers.base import (KindCost, KindSampling, Member, Ownership,
                                          PartStorage, Reduced, SynchronizerKind, Target,
-                                         draw_share, token_queue)
+                                         draw_share, local_variable, token_queue)
 
 
 class PSSynchronizer(SynchronizerKind):
@@ -556,9 +556,8 @@ def stash(name: str, contribution, ctx: KernelContext):
         PS run), a dense tensor or IndexedSlices like ``contribution``
     """
     def holder(value, suffix):
-        return tf.Variable(tf.zeros([0] * value.shape.rank, value.dtype), shape=tf.TensorShape(None),
-                           trainable=False, collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES],
-                           name=f"{name}/stash_{suffix}")
+        return local_variable(tf.zeros([0] * value.shape.rank, value.dtype),
+                              f"{name}/stash_{suffix}", tf.TensorShape(None))
 
     with tf.device(ctx.shared_device):
         if isinstance(contribution, tf.IndexedSlices):
