@@ -173,8 +173,7 @@ class AutoDist:
                       ) -> DistributedSession:
         # Before anything reads the item: the fingerprint and the search count it.
         item.accumulation_steps = self._accumulation_steps
-        self._trial.before_session(item.trainable_variables, item.fingerprint,
-                                   self._resource_spec.source, self.is_chief)
+        self._trial.before_session(item, self._resource_spec.source, self.is_chief)
         if len(self._resource_spec.nodes) == 1:
             strategy = self._build_strategy(item)
             compiled = compile_strategy(strategy, item, self._resource_spec)

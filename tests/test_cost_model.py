@@ -155,6 +155,23 @@ def test_sparse_all_reduce_is_an_all_gather_of_the_touched_rows():
     assert capped == pytest.approx(3 * 1000 * 256 * 8 / 1e9 + 3 * LATENCY + AR_PART)
 
 
+def test_accumulation_pays_one_sync_per_cycle_carrying_every_runs_rows():
+    emb = VariableInfo("emb", (1000, 64), "float32", sparse_grad=True)  # 256 B per row
+    variables = [vec("v"), emb]
+    strategy = strategy_of(TWO_BY_TWO, common.ar_node_config("v", 0),
+                           common.ar_node_config("emb", 0))
+    once = breakdown(strategy, variables, TWO_BY_TWO, batch_size=10)
+    cycle = breakdown(strategy, variables, TWO_BY_TWO, batch_size=10, accumulation_steps=4)
+    # The dense ring runs once per 4 runs; the sparse gather carries 4 runs' rows once.
+    assert cycle.totals["ring_all_reduce"] == pytest.approx(once.totals["ring_all_reduce"] / 4)
+    assert cycle.totals["all_gather"] == pytest.approx(once.totals["all_gather"])
+    assert cycle.totals["collective_latency"] == pytest.approx(
+        once.totals["collective_latency"] / 4)
+    assert sum(r.seconds for r in cycle.rows) == pytest.approx(cycle.total)
+    with pytest.raises(ValueError, match="accumulation_steps must be an int >= 1, got 0"):
+        MODEL.predict(strategy, variables, TWO_BY_TWO, batch_size=1, accumulation_steps=0)
+
+
 # ----------------------------------------------------------------------------- parameter servers
 
 def test_ps_with_three_remote_replicas_loads_the_server_nic_three_times_per_phase():

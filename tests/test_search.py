@@ -65,6 +65,17 @@ class Landscape:
         return TrialResult(self.exact(strategy) * (1 + 0.02 * self.noise.randn()))
 
 
+def test_the_search_scores_a_graph_trained_with_accumulation_per_run():
+    spec = heterogeneous_cluster()
+    graph = synthetic_graph(8)
+    accumulated = dataclasses.replace(graph, accumulation_steps=4)
+    strategy = BUILDERS["AllReduce"]().build(graph, spec)
+    plain = StrategySearch(graph, spec).features(strategy)
+    per_run = StrategySearch(accumulated, spec).features(strategy)
+    # Cost-model columns: the sync is paid once per 4 runs; sizes are the variables'.
+    assert cost_model_seconds(per_run) == pytest.approx(cost_model_seconds(plain) / 4)
+
+
 @pytest.mark.timeout(240)
 def test_a_search_on_a_known_landscape():
     graph, spec = synthetic_graph(), heterogeneous_cluster()

@@ -82,7 +82,8 @@ def _explain(args: argparse.Namespace) -> int:
         captured = runner.capture()
     spec = ResourceSpec(captured.spec)
     compiled = compile_strategy(strategy, captured, spec)
-    breakdown = CostModel().breakdown(compiled, captured, spec, batch_size=args.batch_size)
+    breakdown = CostModel().breakdown(compiled, captured, spec, batch_size=args.batch_size,
+                                      accumulation_steps=captured.accumulation_steps)
     print(f"Strategy {strategy.id} on {captured.spec}: predicted "
           f"{1e3 * breakdown.total:.2f} ms of synchronization per step\n")
     print(format_breakdown(breakdown, top=args.top), end="")

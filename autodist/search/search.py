@@ -140,6 +140,8 @@ class StrategySearch:
         if not 0.0 <= explore_share <= 1.0:
             raise ValueError(f"explore_share must be within [0, 1], got {explore_share!r}.")
         self._variables = list(getattr(variables, "trainable_variables", variables))
+        # A graph trained with gradient accumulation syncs once per cycle of runs.
+        self._accumulation_steps = getattr(variables, "accumulation_steps", 1)
         self._spec = resource_spec
         self._batch_size = batch_size
         self._sampler = StrategySampler(self._variables, resource_spec, constraints)
@@ -155,7 +157,8 @@ class StrategySearch:
 
     def features(self, strategy: Strategy) -> np.ndarray:
         return strategy_features(strategy, self._variables, self._spec,
-                                 batch_size=self._batch_size)
+                                 batch_size=self._batch_size,
+                                 accumulation_steps=self._accumulation_steps)
 
     def best_predicted(self) -> Strategy:
         """The candidate the simulator likes best, with no trial at all."""

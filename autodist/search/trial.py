@@ -29,7 +29,7 @@ import time
 from typing import List, Optional, Sequence
 
 from autodist.cluster import runtime
-from autodist.graph_item import VariableInfo
+from autodist.graph_item import GraphItem, VariableInfo
 from autodist.resource_spec import ResourceSpec
 from autodist.strategy.base import Strategy
 from autodist.strategy.common import check_int
@@ -115,11 +115,10 @@ class TrialHooks:
     def resource_spec_file(self, script_spec: str) -> str:
         return self.spec_path or script_spec
 
-    def before_session(self, variables: Sequence[VariableInfo], fingerprint: str,
-                       spec_path: str, is_chief: bool) -> None:
+    def before_session(self, item: GraphItem, spec_path: str, is_chief: bool) -> None:
         """In a capture run, the chief writes what the search needs of the graph and ends."""
         if self.capture and is_chief:
-            write_capture(self.capture, variables, fingerprint, spec_path)
+            write_capture(self.capture, item, spec_path)
             raise TrialFinished()
 
     def strategy(self) -> Optional[Strategy]:
@@ -168,11 +167,11 @@ class StepTimer:
             raise TrialFinished()
 
 
-def write_capture(path: str, variables: Sequence[VariableInfo], fingerprint: str,
-                  spec_path: str) -> None:
+def write_capture(path: str, item: GraphItem, spec_path: str) -> None:
     """The capture run's output: what the search needs to know of the graph."""
-    _write_json(path, {"fingerprint": fingerprint, "spec": spec_path,
-                       "variables": [dataclasses.asdict(v) for v in variables]})
+    _write_json(path, {"fingerprint": item.fingerprint, "spec": spec_path,
+                       "accumulation_steps": item.accumulation_steps,
+                       "variables": [dataclasses.asdict(v) for v in item.trainable_variables]})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +181,7 @@ class CapturedGraph:
     trainable_variables: List[VariableInfo]
     fingerprint: str
     spec: str
+    accumulation_steps: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,7 +245,8 @@ class ScriptRunner:
             data = json.load(source)
         variables = [VariableInfo(**dict(v, shape=tuple(v["shape"]))) for v in data["variables"]]
         self._script_spec = data["spec"]
-        return CapturedGraph(variables, data["fingerprint"], data["spec"])
+        return CapturedGraph(variables, data["fingerprint"], data["spec"],
+                             data["accumulation_steps"])
 
     def trial(self, strategy: Strategy, warmup: int = 3, steps: int = 10) -> TrialResult:
         """Runs the script under ``strategy``; returns its time per step."""

@@ -47,6 +47,10 @@ rules by which PS traffic loads each resource are in ``synchronizers/ps.py``);
 this module adds the split step and the optimizer update, which depend on every
 kind at once. The bytes behind the components are in ``traffic.py``. Compute time is left out: it hardly depends on
 the strategy, and the model exists to rank strategies, not to predict wall time.
+
+With gradient accumulation over ``k`` runs every component is paid once per
+``k`` runs, for the gradients of ``k`` batches (a sparse gradient carries the
+rows of all ``k``): the model charges a run ``1 / k`` of such a sync.
 """
 from __future__ import annotations
 
@@ -168,7 +172,8 @@ class CostModel:
                 f"local_bandwidth_gbps={self.local_bandwidth_gbps!r})")
 
     def predict(self, strategy: Any, graph_item: Any, resource_spec: Any, *, batch_size: int,
-                rows_touched: Optional[Mapping[str, float]] = None) -> float:
+                rows_touched: Optional[Mapping[str, float]] = None,
+                accumulation_steps: int = 1) -> float:
         """Predicted seconds per iteration.
 
         Args and Raises: as :meth:`breakdown`.
@@ -177,11 +182,13 @@ class CostModel:
             float: the weighted sum of the components.
         """
         features = self.charges(strategy, graph_item, resource_spec, batch_size=batch_size,
-                                rows_touched=rows_touched).features
+                                rows_touched=rows_touched,
+                                accumulation_steps=accumulation_steps).features
         return sum(getattr(self.weights, name) * value for name, value in features.items())
 
     def breakdown(self, strategy: Any, graph_item: Any, resource_spec: Any, *, batch_size: int,
-                  rows_touched: Optional[Mapping[str, float]] = None) -> CostBreakdown:
+                  rows_touched: Optional[Mapping[str, float]] = None,
+                  accumulation_steps: int = 1) -> CostBreakdown:
         """Explains the prediction per variable part and per component.
 
         Args:
@@ -197,6 +204,8 @@ class CostModel:
                 variable touches ``min(rows, batch_size)`` rows unless
                 ``rows_touched`` says otherwise.
             rows_touched: variable name -> rows one replica's step touches.
+            accumulation_steps: runs per sync (``AutoDist(accumulation_steps=...)``);
+                every figure is per run.
 
         Returns:
             CostBreakdown: rows, features, weighted totals and the binding resource.
@@ -204,10 +213,10 @@ class CostModel:
         Raises:
             StrategyError: if a ``Strategy`` lacks a config for a variable, has
                 one for an unknown variable, or a part without a synchronizer.
-            ValueError: if ``batch_size`` is not a positive int.
+            ValueError: if ``batch_size`` or ``accumulation_steps`` is not a positive int.
         """
         charges = self.charges(strategy, graph_item, resource_spec, batch_size=batch_size,
-                               rows_touched=rows_touched)
+                               rows_touched=rows_touched, accumulation_steps=accumulation_steps)
         weights = dataclasses.asdict(self.weights)
         parts = charges.parts
         rows = parts.row.tolist()
@@ -220,7 +229,8 @@ class CostModel:
         return CostBreakdown(weighted, charges.features, totals, weights, charges.binding)
 
     def charges(self, strategy: Any, graph_item: Any, resource_spec: Any, *, batch_size: int,
-                rows_touched: Optional[Mapping[str, float]] = None) -> "Charges":
+                rows_touched: Optional[Mapping[str, float]] = None,
+                accumulation_steps: int = 1) -> "Charges":
         """The unweighted features, per part and in all, with the parts and the cluster behind them.
 
         For callers that derive their own figures per part (the learned
@@ -228,10 +238,14 @@ class CostModel:
 
         Args and Raises: as :meth:`breakdown`.
         """
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1 (per replica), got {batch_size!r}.")
+        for name, value in (("batch_size", batch_size), ("accumulation_steps", accumulation_steps)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
         variables = getattr(graph_item, "trainable_variables", graph_item)
-        parts, proto_strategy = sync_parts(strategy, variables, batch_size, rows_touched or {})
+        # A sync carries the rows of every run of its cycle.
+        touched = {name: rows * accumulation_steps for name, rows in (rows_touched or {}).items()}
+        parts, proto_strategy = sync_parts(strategy, variables, batch_size * accumulation_steps,
+                                           touched)
         cluster = cluster_view(proto_strategy.replicas, resource_spec, self.local_bandwidth_gbps)
         of_kind = [(kind, parts.of_kind(kind)) for kind in KIND_NUMBERS]
         synchronized = [(kind, index) for kind, index in of_kind if parts.has_grad[index].any()]
@@ -260,6 +274,9 @@ class CostModel:
             charged.append(update_charges)
         part, component, value = (np.concatenate(column) for column in zip(*charged)) \
             if charged else (np.zeros(0, np.intp), np.zeros(0, np.intp), np.zeros(0))
+        if accumulation_steps > 1:  # one sync per cycle
+            features = {name: total / accumulation_steps for name, total in features.items()}
+            value = value / accumulation_steps
         return Charges(parts, cluster, features, part, component, value,
                        ", ".join(bindings) or None)
 

@@ -41,7 +41,8 @@ synchronizer kind), so that a simulator saved for the old features is not reused
 
 def strategy_features(strategy: Any, variables: Any, resource_spec: Any, *, batch_size: int,
                       cost_model: Optional[CostModel] = None,
-                      rows_touched: Optional[Mapping[str, float]] = None) -> np.ndarray:
+                      rows_touched: Optional[Mapping[str, float]] = None,
+                      accumulation_steps: int = 1) -> np.ndarray:
     """The feature sequence of ``strategy``: float32 ``[variables, len(FEATURE_NAMES)]``.
 
     A partitioned variable's parts are summed (bytes, charges), averaged (shares
@@ -55,11 +56,12 @@ def strategy_features(strategy: Any, variables: Any, resource_spec: Any, *, batc
         batch_size: examples per replica and step.
         cost_model: whose per-part charges go in; the default model if None.
         rows_touched: variable name -> rows a replica's step touches.
+        accumulation_steps: runs per sync (``AutoDist(accumulation_steps=...)``).
     """
     model = cost_model or CostModel()
     variables = getattr(variables, "trainable_variables", variables)
     charges = model.charges(strategy, variables, resource_spec, batch_size=batch_size,
-                            rows_touched=rows_touched)
+                            rows_touched=rows_touched, accumulation_steps=accumulation_steps)
     parts = charges.parts
     row = parts.row
     table = np.zeros((len(parts.variables), len(FEATURE_NAMES)))
