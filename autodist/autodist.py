@@ -188,12 +188,7 @@ class AutoDist:
 
     def _graph_item(self) -> GraphItem:
         graph = tf.compat.v1.get_default_graph()
-        calls = [c for c in self._optimizer_calls if c.graph is graph]
-        if len(calls) > 1:
-            raise NotImplementedError(
-                f"AutoDist supports one optimizer update per graph; the graph has {len(calls)} "
-                "(apply_gradients was called more than once).")
-        return GraphItem(graph, calls[0] if calls else None)
+        return GraphItem(graph, [c for c in self._optimizer_calls if c.graph is graph])
 
     def _build_strategy(self, item: GraphItem) -> Strategy:
         trial_strategy = self._trial.strategy()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -102,11 +102,13 @@ class GraphItem:
 
     Args:
         graph: the user's graph.
-        optimizer_call: what the optimizer was asked to apply while building it:
-            its graph, ``grads_and_vars``, ``global_step``, ``update_op_names``,
+        optimizer_calls: what the optimizers were asked to apply while building
+            it, one call per ``apply_gradients``: each has its graph,
+            ``grads_and_vars``, ``global_step``, ``update_op_names``,
             ``result_op_name``, and ``slot_names()``, ``non_slot_names()`` and
-            ``new_update(translate)`` for the distributed graph.
-
+            ``new_update(translate)`` for the distributed graph. Each call is
+            synchronized and applied on its own, so that the graph may run
+            them in separate train ops (a GAN's generator and discriminator).
         state_per_node: whether each node of a cluster keeps its own copy of the
             non-trainable variables (see ``KernelContext.state_per_node``).
 
@@ -115,38 +117,52 @@ class GraphItem:
             applies (``AutoDist(accumulation_steps=...)``); 1 by default.
 
     Raises:
-        ValueError: when the graph has no captured optimizer call.
+        ValueError: when the graph has no captured optimizer call, or a variable
+            gets a gradient from two calls.
     """
 
-    def __init__(self, graph: tf.Graph, optimizer_call, state_per_node: bool = False):
-        if optimizer_call is None:
+    def __init__(self, graph: tf.Graph, optimizer_calls: Sequence,
+                 state_per_node: bool = False):
+        if not optimizer_calls:
             raise ValueError(
                 "AutoDist found no optimizer in the graph: build the model and call a "
                 "tf.compat.v1.train optimizer's minimize() or apply_gradients() inside "
                 "ad.scope().")
         self.graph = graph
-        self.optimizer_call = optimizer_call
+        self.optimizer_calls = tuple(optimizer_calls)
+        self.update_op_names = frozenset().union(
+            *(call.update_op_names for call in self.optimizer_calls))
         self.state_per_node = state_per_node
         self.accumulation_steps = 1
         self.graph_def = graph.as_graph_def()
         with graph.as_default():
             self._trainables = [v for v in tf.compat.v1.trainable_variables()
-                                if v.op.name not in optimizer_call.update_op_names]
+                                if v.op.name not in self.update_op_names]
             trainable_names = {v.op.name for v in self._trainables}
             self.other_variables = [
                 v for v in tf.compat.v1.global_variables() + tf.compat.v1.local_variables()
-                if v.op.name not in optimizer_call.update_op_names
+                if v.op.name not in self.update_op_names
                 and v.op.name not in trainable_names]
         self.gradients = {}
-        for grad, var in optimizer_call.grads_and_vars:
-            if grad is None:
-                continue
-            if isinstance(grad, tf.IndexedSlices):
-                shape = grad.dense_shape.name if grad.dense_shape is not None else None
-                ref = GradientRef(grad.values.name, grad.indices.name, shape)
-            else:
-                ref = GradientRef(grad.name)
-            self.gradients[var.op.name] = ref
+        self.call_of = {}  # variable name -> index of the call applying its gradient
+        for index, call in enumerate(self.optimizer_calls):
+            for grad, var in call.grads_and_vars:
+                if grad is None:
+                    continue
+                name = var.op.name
+                if name in self.call_of:
+                    raise ValueError(
+                        f"AutoDist: variable '{name}' is updated by two optimizer calls "
+                        f"(apply_gradients #{self.call_of[name] + 1} and #{index + 1}); each "
+                        "variable must be updated by one optimizer (their states and "
+                        "synchronizations would race).")
+                self.call_of[name] = index
+                if isinstance(grad, tf.IndexedSlices):
+                    shape = grad.dense_shape.name if grad.dense_shape is not None else None
+                    self.gradients[name] = GradientRef(grad.values.name, grad.indices.name,
+                                                       shape)
+                else:
+                    self.gradients[name] = GradientRef(grad.name)
         self.variables = {v.op.name: v for v in self._trainables}
         self.trainable_variables = [
             VariableInfo(name=v.op.name, shape=tuple(v.shape.as_list()),
@@ -158,7 +174,7 @@ class GraphItem:
 
     def _classify_ops(self) -> None:
         nodes = {node.name: node for node in self.graph_def.node}
-        update_ops = self.optimizer_call.update_op_names
+        update_ops = self.update_op_names
         initializers = {v.initializer.name for v in self._trainables}
         is_initialized = {op.name for v in self._trainables
                           for op in v.op.outputs[0].consumers()
@@ -207,6 +223,16 @@ class GraphItem:
         if self.accumulation_steps != 1:  # every node must sync in the same runs
             digest.update(f"accumulation_steps={self.accumulation_steps}".encode())
         return digest.hexdigest()[:16]
+
+    def slot_names(self) -> dict:
+        """Original slot variable name -> (its variable's name, slot key), of every call."""
+        return {name: slot for call in self.optimizer_calls
+                for name, slot in call.slot_names().items()}
+
+    def call_of_op(self, name: str) -> Optional[int]:
+        """The index of the optimizer call that created op ``name``, or None."""
+        return next((index for index, call in enumerate(self.optimizer_calls)
+                     if name in call.update_op_names), None)
 
     def is_replicated(self, tensor_or_op_name: str) -> bool:
         return op_name(tensor_or_op_name) in self.replicated

@@ -30,6 +30,8 @@ class KernelContext:
         state_per_node: keep the non-trainable variables per node even where a
             cluster could keep one copy on the chief (a Keras model's metrics
             and batch-norm statistics, which every node's model reads back).
+        update_index: which optimizer call of the graph the kernels are
+            synchronizing (0 for the first; a graph may have several).
     """
 
     replica_devices: tuple
@@ -43,6 +45,7 @@ class KernelContext:
     has_collectives: bool = False
     has_remote_ops: bool = False
     state_per_node: bool = False
+    update_index: int = 0
 
     @property
     def num_replicas(self) -> int:

@@ -49,9 +49,11 @@ class DistributedSession:
     op of the model runs it on every replica; a fetched tensor computed per
     replica comes back as the replicas' mean (float scalars, e.g. a loss), their
     concatenation (batch-major tensors) or replica 0's value (anything else).
-    Feeds of batched placeholders are split across the local replicas. With
-    gradient accumulation over ``k`` runs, a run fetching the train op only
-    keeps its gradients, but every ``k``-th, which applies the update.
+    Feeds of batched placeholders are split across the local replicas. Each
+    optimizer call's train op (``minimize``'s result) runs that call's
+    synchronization and update; with gradient accumulation over ``k`` runs, a
+    run fetching it only keeps its gradients, but every ``k``-th, which
+    applies the update.
 
     Args:
         distributed: the transformed graph.
@@ -81,7 +83,7 @@ class DistributedSession:
         # The optimizer's own variables (slots, Adam's powers), recreated per stored copy.
         self._state_fetches = {}
         for variable in item.graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES):
-            if variable.op.name in item.optimizer_call.update_op_names:
+            if variable.op.name in item.update_op_names:
                 for element in (variable.handle.name, _tf_compat.graph_element_name(variable)):
                     self._state_fetches[element] = variable.op.name
         self._locator = None
@@ -90,6 +92,7 @@ class DistributedSession:
         self._stuck_nodes = stuck_nodes
         self._step_seconds = []  # the latest updating runs' durations
         self._steps_done = 0  # training runs, accumulating ones included
+        self._runs_of = [0] * len(distributed.updates)  # per optimizer call, its training runs
         self._session = self._watched(tf.compat.v1.Session, target=target, graph=self._graph,
                                       config=config)
         self._watched(self._initialize, init_timeout)
@@ -175,26 +178,33 @@ class DistributedSession:
             self._check_rows(key, value)
             for target in self._map_feed(key):
                 feeds[target] = value
-        train_op = self._distributed.train_op
-        trained = any(f is train_op for f in tf.nest.flatten(mapped))
-        accumulate_ops = self._distributed.accumulate_ops
-        # Runs 0 .. k-2 of a cycle keep their gradients; run k-1 updates.
-        cycle_run = self._steps_done % (len(accumulate_ops) + 1)
-        updates = trained and cycle_run == len(accumulate_ops)
-        if trained and not updates:
-            accumulate = accumulate_ops[cycle_run]
-            mapped = tf.nest.map_structure(lambda f: accumulate if f is train_op else f, mapped)
+        fetched = {id(f) for f in tf.nest.flatten(mapped)}
+        trained = [index for index, update in enumerate(self._distributed.updates)
+                   if id(update.train_op) in fetched]
+        instead, seconds = {}, []  # train op -> what runs in its place; split steps' second runs
+        for index in trained:
+            update = self._distributed.updates[index]
+            # Runs 0 .. k-2 of a cycle keep their gradients; run k-1 updates.
+            cycle_run = self._runs_of[index] % (len(update.accumulate_ops) + 1)
+            if cycle_run < len(update.accumulate_ops):
+                instead[id(update.train_op)] = update.accumulate_ops[cycle_run]
+            elif update.remote_step_op is not None:
+                seconds.append(update.remote_step_op)
+        if instead:
+            mapped = tf.nest.map_structure(lambda f: instead.get(id(f), f), mapped)
+        updated = len(instead) < len(trained)
         bound = self._stuck_bound() if trained else None
         started = time.monotonic()
         result = self._watched(self._session.run, mapped, feed_dict=feeds, options=options,
                                run_metadata=run_metadata, stuck_after=bound)
-        second = self._distributed.remote_step_op
-        if second is not None and updates:
+        if seconds:
             left = None if bound is None else max(0.0, bound - (time.monotonic() - started))
-            self._watched(self._session.run, second, stuck_after=left)
+            self._watched(self._session.run, seconds, stuck_after=left)
+        for index in trained:
+            self._runs_of[index] += 1
         if trained:
             self._steps_done += 1
-            if updates:
+            if updated:
                 self._step_seconds = (self._step_seconds + [time.monotonic() - started])[
                     -_STEP_HISTORY:]
             if self._on_step is not None:
@@ -233,11 +243,12 @@ class DistributedSession:
         if name in self._state_fetches:
             return self._optimizer_state(self._state_fetches[name])
         op_name = name.split(":")[0]
-        if op_name in item.optimizer_call.update_op_names:
+        call = item.call_of_op(op_name)
+        if call is not None:
             if ":" in name:
                 raise ValueError(f"AutoDist cannot fetch '{name}', an output of the "
                                  "optimizer's update; fetch the train op instead.")
-            return distributed.train_op
+            return distributed.updates[call].train_op
         if op_name in item.initializer_of:
             return distributed.storage[item.initializer_of[op_name]].initializer()
         if op_name in item.excluded:

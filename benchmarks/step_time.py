@@ -158,7 +158,7 @@ def _slot_bytes_here(session, node_index: int) -> int:
 
 
 def run_job(spec: str, builder: str, num_vars: int, side: int, warmup: int, steps: int,
-            optimizer: str = "sgd") -> None:
+            optimizer: str = "sgd", accumulation_steps: int = 1) -> None:
     """One node's part of a case; the chief prints the result line."""
     import numpy as np
     import tensorflow as tf
@@ -167,7 +167,7 @@ def run_job(spec: str, builder: str, num_vars: int, side: int, warmup: int, step
     from autodist.strategy import get_builder
 
     name, kwargs = parse_builder(builder)
-    ad = AutoDist(spec, get_builder(name, **kwargs))
+    ad = AutoDist(spec, get_builder(name, **kwargs), accumulation_steps=accumulation_steps)
     rows = ROWS_PER_REPLICA * sum(1 for r in ad.resource_spec.replica_devices
                                   if r.host_address == _my_address(ad))
     batch = np.random.RandomState(ad.node_index).rand(rows, side).astype(np.float32)
@@ -281,7 +281,8 @@ def run_case(cluster, spec: str, builder: str, args) -> dict:
     command = [*cluster.hosts[0].launch_prefix, sys.executable, os.path.abspath(__file__),
                "--_job", spec, builder, "--vars", str(args.vars), "--side", str(args.side),
                "--warmup", str(args.warmup), "--steps", str(args.steps),
-               "--optimizer", getattr(args, "optimizer", "sgd")]
+               "--optimizer", getattr(args, "optimizer", "sgd"),
+               "--accumulation-steps", str(getattr(args, "accumulation_steps", 1))]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
     start = time.perf_counter()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -610,11 +611,13 @@ def main(argv=None) -> int:
     parser.add_argument("--_job", nargs=2, metavar=("SPEC", "BUILDER"), help=argparse.SUPPRESS)
     parser.add_argument("--_raw", nargs=3, metavar=("HOSTS", "TASK", "BUILDER"), help=argparse.SUPPRESS)
     parser.add_argument("--raw-bytes", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--accumulation-steps", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args._job:  # pylint: disable=protected-access
         spec, builder = args._job  # pylint: disable=protected-access
-        run_job(spec, builder, args.vars, args.side, args.warmup, args.steps, args.optimizer)
+        run_job(spec, builder, args.vars, args.side, args.warmup, args.steps, args.optimizer,
+                args.accumulation_steps)
         return 0
     if args._raw:  # pylint: disable=protected-access
         hosts, task, builder = args._raw  # pylint: disable=protected-access

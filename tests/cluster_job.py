@@ -9,9 +9,13 @@ With ``--accumulation-steps K`` each run feeds another global batch, and one
 update applies K runs' gradients: single-device training on the
 concatenation of those K batches.
 
+With ``--gan`` the model is ``models.gan`` instead: each step runs the
+discriminator's train op, then the generator's, and OUT gets every global
+variable by name.
+
     python cluster_job.py SPEC BUILDER OUT [--steps N] [--die-at STEP] [--mismatch]
                           [--restore CHECKPOINT] [--save CHECKPOINT] [--optimizer NAME]
-                          [--accumulation-steps K]
+                          [--accumulation-steps K] [--gan]
 """
 import argparse
 import os
@@ -125,6 +129,7 @@ def main() -> None:
     parser.add_argument("--save", help="checkpoint to write after training")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
     parser.add_argument("--accumulation-steps", type=int, default=1)
+    parser.add_argument("--gan", action="store_true", help="train models.gan's two train ops")
     args = parser.parse_args()
 
     if args.builder == "AutoStrategy":  # a small search: trials time 1 + 2 of this job's steps
@@ -143,6 +148,9 @@ def main() -> None:
     start = sum(1 for r in replicas if nodes.index(r.host_address) < ad.node_index)
     count = sum(1 for r in replicas if r.host_address == mine)
     rows = slice(start * ROWS_PER_REPLICA, (start + count) * ROWS_PER_REPLICA)
+    if args.gan:
+        train_gan(ad, args, rows)
+        return
     with tf.Graph().as_default(), ad.scope():
         inputs, loss, train, variables = build_model(extra_op=args.mismatch and not ad.is_chief,
                                                      optimizer=args.optimizer)
@@ -162,6 +170,24 @@ def main() -> None:
             saver.save(sess, args.save)
     if ad.is_chief:
         np.savez(args.out, *values)
+
+
+def train_gan(ad, args, rows: slice) -> None:
+    import models  # beside this script
+
+    with tf.Graph().as_default(), ad.scope():
+        gan = models.gan(OPTIMIZERS[args.optimizer])
+        assert len(ad.resource_spec.replica_devices) * ROWS_PER_REPLICA == models.BATCH_SIZE
+        feeds = {placeholder: batch[rows] for placeholder, batch in gan.feeds.items()}
+        variables = tf1.global_variables()
+        sess = ad.create_distributed_session()
+        for step in range(args.steps):
+            sess.run(gan.d_train, feeds)
+            sess.run(gan.g_train, feeds)
+            print(f"node {ad.node_index} step {step} done", flush=True)
+        if ad.is_chief:  # a worker holds no PS variable's slots
+            np.savez(args.out, **{v.op.name.replace("/", "|"): value
+                                  for v, value in zip(variables, sess.run(variables))})
 
 
 if __name__ == "__main__":

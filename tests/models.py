@@ -178,6 +178,50 @@ def two_dtypes(optimizer_fn: OptimizerFn, seed: int = 0) -> Model:
     return Model(feeds, loss, _minimize(optimizer_fn, loss), [w1, w2, w3])
 
 
+@dataclasses.dataclass
+class GanModel:
+    """A GAN-like pair of models, each trained by its own optimizer.
+
+    Attributes:
+        feeds: placeholder -> numpy global batch (noise and real samples).
+        d_train: the discriminator's update (also counts the global step).
+        g_train: the generator's update.
+        variables: generator then discriminator variables.
+    """
+
+    feeds: Dict[tf.Tensor, np.ndarray]
+    d_train: tf.Operation
+    g_train: tf.Operation
+    variables: List[tf.Variable]
+
+
+def gan(optimizer_fn: OptimizerFn, seed: int = 0) -> GanModel:
+    """A generator and a discriminator, each with its own ``optimizer_fn()`` optimizer."""
+    tf1.set_random_seed(seed)
+    rng = np.random.RandomState(seed)
+    noise = tf1.placeholder(tf.float32, [None, 4], name="noise")
+    real = tf1.placeholder(tf.float32, [None, 3], name="real")
+    with tf1.variable_scope("generator"):
+        g1 = _get_variable("g1", [4, 5], seed + 1)
+        g2 = _get_variable("g2", [5, 3], seed + 2)
+    with tf1.variable_scope("discriminator"):
+        d1 = _get_variable("d1", [3, 4], seed + 3)
+        d2 = _get_variable("d2", [4, 1], seed + 4)
+    fake = tf.matmul(tf.tanh(tf.matmul(noise, g1)), g2)
+
+    def logit(samples):
+        return tf.matmul(tf.tanh(tf.matmul(samples, d1)), d2)
+
+    d_loss = tf.reduce_mean(tf.nn.softplus(-logit(real)) + tf.nn.softplus(logit(fake)))
+    g_loss = tf.reduce_mean(tf.nn.softplus(-logit(fake)))
+    d_train = optimizer_fn().minimize(d_loss, var_list=[d1, d2],
+                                      global_step=tf1.train.get_or_create_global_step())
+    g_train = optimizer_fn().minimize(g_loss, var_list=[g1, g2])
+    feeds = {noise: rng.randn(BATCH_SIZE, 4).astype(np.float32),
+             real: (rng.randn(BATCH_SIZE, 3) + 1.0).astype(np.float32)}
+    return GanModel(feeds, d_train, g_train, [g1, g2, d1, d2])
+
+
 MODELS = {
     "dense": dense_mlp,
     "keras": keras_mlp,

@@ -121,9 +121,9 @@ def test_accumulating_runs_have_no_collective_and_no_update(spec_path, builder, 
     with tf.Graph().as_default(), ad.scope():
         models.MODELS[model](adam)
         with ad.create_distributed_session() as sess:
-            distributed = sess.distributed
-            assert len(distributed.accumulate_ops) == 2
-            for accumulate in distributed.accumulate_ops:
+            update, = sess.distributed.updates
+            assert len(update.accumulate_ops) == 2
+            for accumulate in update.accumulate_ops:
                 types = {op.type for op in _ops_run_by(accumulate)}
                 assert not any(t.startswith("Collective") for t in types), types
                 assert not any(t.startswith("ResourceApply") for t in types), types
@@ -134,7 +134,7 @@ def test_accumulating_runs_have_no_collective_and_no_update(spec_path, builder, 
                 for op in kept:
                     replica = op.name.split("/")[0].rsplit("-", 1)[1]
                     assert op.device.endswith(f"CPU:{replica}"), (op.name, op.device)
-            train_types = {op.type for op in _ops_run_by(distributed.train_op)}
+            train_types = {op.type for op in _ops_run_by(update.train_op)}
             assert any(t.startswith("ResourceApply") for t in train_types)
 
 

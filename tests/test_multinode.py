@@ -17,6 +17,7 @@ import pytest
 
 import cluster_job
 import clusters
+import test_several_optimizers
 
 pytestmark = [pytest.mark.multinode, clusters.needs_root]
 
@@ -87,6 +88,22 @@ def test_accumulated_gradients_equal_one_device_on_the_concatenated_batches(
         np.testing.assert_allclose(got[f"arr_{i}"], expected, rtol=1e-5, atol=1e-5)
     for node in range(2):
         assert f"node {node} step {runs - 1} loss" in done.stdout
+    _assert_no_job_left()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("builder", ["PartitionedPS", "AllReduce", "Parallax"])
+def test_a_gan_with_two_optimizers_trains_like_one_device(two_nodes, tmp_path, builder):
+    cluster, spec = two_nodes
+    out = tmp_path / "variables.npz"
+    done = _run_job(cluster, spec, builder, out, "--gan", "--optimizer", "adam")
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = np.load(out)
+    want = test_several_optimizers.gan_single(STEPS, cluster_job.OPTIMIZERS["adam"])
+    assert {name.replace("|", "/") for name in got.files} == set(want)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name.replace("/", "|")], value, rtol=1e-5, atol=1e-5,
+                                   err_msg=name)
     _assert_no_job_left()
 
 

@@ -60,7 +60,7 @@ def _transformed(ctx: KernelContext, staleness: int = 0, all_reduced: tuple = ()
     calls = []
     with tf.Graph().as_default() as graph, _tf_compat.capture_apply_gradients(calls.append):
         models.dense_mlp(lambda: tf.compat.v1.train.GradientDescentOptimizer(0.1))
-    item = GraphItem(graph, calls[0])
+    item = GraphItem(graph, calls)
     spec = ResourceSpec.from_dict(SPEC)
     strategy = PSLoadBalancing(local_proxy_variable=True, sync=not staleness,
                                staleness=staleness).build(item, spec)

@@ -42,7 +42,7 @@ class DistributedStep:
         # The optimizer's slots: as large as the weights (Adam: twice), read by
         # Keras code between epochs rather than between batches.
         self._slots = set()
-        slots = lifted.item.optimizer_call.slot_names()
+        slots = lifted.item.slot_names()
         with distributed.graph.as_default(), tf.device(distributed.ctx.shared_device):
             for name, variable in lifted.variables.items():
                 location = locator.find(name)
@@ -73,7 +73,7 @@ class DistributedStep:
         """
         values = [a for a in tf.nest.flatten(args) if not is_static(a)]
         feeds = dict(zip(self._lifted.inputs, [_as_numpy(v) for v in values]))
-        fetches = [self._lifted.item.optimizer_call.result_op_name, STATE_OP]
+        fetches = [self._lifted.item.optimizer_calls[0].result_op_name, STATE_OP]
         if fetch_outputs:
             fetches += self._fetch_outputs
         results = iter(self._session.run(fetches, feed_dict=feeds)[2:])

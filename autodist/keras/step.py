@@ -160,7 +160,7 @@ def lift_step(fn: Callable, args: tuple) -> LiftedStep:
     optimizer_call = KerasOptimizerCall(graph, grads_and_vars, update_ops, state_values,
                                         TRAIN_OP, type(call.optimizer).__name__)
     # Every node's model reads its metrics and batch-norm statistics back.
-    item = GraphItem(graph, optimizer_call, state_per_node=True)
+    item = GraphItem(graph, [optimizer_call], state_per_node=True)
     num_inputs = len([s for s in tf.nest.flatten(specs) if isinstance(s, tf.TensorSpec)])
     inputs = [lifted_tensor(t) for t in traced.inputs[:num_inputs]]
     structure = concrete.structured_outputs

@@ -52,11 +52,14 @@ class Locator:
 
     def __init__(self, distributed: DistributedGraph):
         self._distributed = distributed
-        call = distributed.item.optimizer_call
+        item = distributed.item
         # original slot variable name -> (variable name, slot key)
-        self._slot_of = {name: slot for name, slot in call.slot_names().items()
+        self._slot_of = {name: slot for name, slot in item.slot_names().items()
                          if slot[0] in distributed.storage}
-        self._non_slot_of = call.non_slot_names()
+        # original non-slot variable name -> (its optimizer call, key)
+        self._non_slot_of = {name: (index, key)
+                             for index, call in enumerate(item.optimizer_calls)
+                             for name, key in call.non_slot_names().items()}
 
     def find(self, name: str) -> Optional[Location]:
         """The location of the original variable ``name``, or None when it has none."""
@@ -67,7 +70,7 @@ class Locator:
             variable, slot_name = self._slot_of[name]
             return self._slot(distributed.storage[variable], slot_name)
         if name in self._non_slot_of:
-            return self._non_slot(self._non_slot_of[name])
+            return self._non_slot(*self._non_slot_of[name])
         if name in distributed.shared_variables:
             variable = distributed.shared_variables[name]
             owned = not (distributed.ctx.shared_variables_on_chief and not distributed.ctx.is_chief)
@@ -94,16 +97,16 @@ class Locator:
         return Location(value if readable else None, parts, storage.compiled.plan)
 
     def _slot_variable(self, copy: tf.Variable, slot_name: str) -> Optional[tf.Variable]:
-        for optimizer in self._distributed.optimizers:
+        for optimizer in (o for update in self._distributed.updates for o in update.optimizers):
             slot = optimizer.slot(copy, slot_name)
             if slot is not None:
                 return slot
         return None
 
-    def _non_slot(self, key: str) -> Location:
+    def _non_slot(self, call: int, key: str) -> Location:
         graph = self._distributed.graph
         copies = [variables[key] for variables in (
-            o.non_slot_variables(graph) for o in self._distributed.optimizers)
+            o.non_slot_variables(graph) for o in self._distributed.updates[call].optimizers)
             if key in variables]
         value = copies[0].read_value if copies else None
         return Location(value, [[Target(copy) for copy in copies]])

@@ -12,9 +12,13 @@ The stages, each owned by one kernel module:
                                  gradients weighted by each replica's rows (and
                                  accumulated over runs), cut per part, then
                                  reduced by each part's kind
-5. update                        the graph's optimizer update (``item.optimizer_call``)
-                                 recreated for every stored copy; then each
-                                 kind's end-of-step work
+5. update                        each optimizer call of the graph
+                                 (``item.optimizer_calls``) recreated for every
+                                 stored copy of its variables; then each kind's
+                                 end-of-step work
+
+Stages 4 and 5 run once per optimizer call, with kind instances of its own, so
+that each call's train op synchronizes and updates its own variables only.
 
 The kinds (``autodist/synchronizers/``) own everything that differs between
 them; this module only routes parts to them.
@@ -66,6 +70,25 @@ class VariableStorage:
 
 
 @dataclasses.dataclass
+class UpdateOps:
+    """What runs one optimizer call of the original graph (one train op).
+
+    Attributes:
+        train_op: the step: reduce, update, end-of-step work.
+        remote_step_op: a split step's second run, after ``train_op``'s, or None.
+        accumulate_ops: with gradient accumulation over k runs, what runs
+            0 .. k-2 of a cycle run instead of ``train_op`` (see ``accumulator``).
+        optimizers: the optimizer copies applying its updates (their slots are
+            the checkpoint's).
+    """
+
+    train_op: tf.Operation
+    remote_step_op: Optional[tf.Operation] = None
+    accumulate_ops: tuple = ()
+    optimizers: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
 class DistributedGraph:
     """The rewritten graph and what the session needs to map user fetches onto it.
 
@@ -82,12 +105,7 @@ class DistributedGraph:
     ctx: KernelContext
     storage: dict
     shared_variables: dict = dataclasses.field(default_factory=dict)  # name -> non-trainable
-    optimizers: list = dataclasses.field(default_factory=list)  # updates' optimizer copies
-    train_op: Optional[tf.Operation] = None
-    remote_step_op: Optional[tf.Operation] = None  # a split step's second run, after train_op's
-    # With gradient accumulation over k runs: what runs 0 .. k-2 of a cycle run
-    # instead of train_op (see ``accumulator``).
-    accumulate_ops: tuple = ()
+    updates: list = dataclasses.field(default_factory=list)  # UpdateOps per optimizer call
     init_ops: tuple = ()
     chief_uninitialized: Optional[tf.Tensor] = None
 
@@ -113,28 +131,38 @@ def transform(item: GraphItem, compiled: CompiledStrategy, ctx: KernelContext) -
     result = DistributedGraph(graph=tf.Graph(), item=item, ctx=ctx, storage={})
     deferred = []
     keys = CollectiveKeys()
-    synchronizers = {field: kind(ctx, keys) for field, kind in KINDS.items()}
+    # Kind instances per optimizer call: a kind keeps what its end of step needs.
+    per_call = [{field: kind(dataclasses.replace(ctx, update_index=index), keys)
+                 for field, kind in KINDS.items()}
+                for index in range(len(item.optimizer_calls))]
+    foreign = set()
     with result.graph.as_default():
         replicator.import_shared(item, ctx, deferred)
         result.shared_variables = shared_variables = _register_shared_variables(item)
         for name, variable in compiled.variables.items():
-            result.storage[name] = _create_storage(item, variable, ctx, synchronizers)
+            result.storage[name] = _create_storage(item, variable, ctx,
+                                                   per_call[item.call_of.get(name, 0)])
         state_writes = replicator.replicate(
             item, ctx, {n: s.handles for n, s in result.storage.items()}, deferred)
-        accumulation = Accumulation(item.accumulation_steps)
-        reduced = _synchronize(result, synchronizers, accumulation)
-        result.train_op, result.remote_step_op, foreign = _apply_updates(
-            item, reduced, list(synchronizers.values()), shared_variables, ctx,
-            result.optimizers)
-        if state_writes or accumulation.resets:
-            result.train_op = tf.group(result.train_op, *state_writes, *accumulation.resets,
-                                       name="autodist_train_op_and_state")
-        result.accumulate_ops = tuple(
-            tf.group(*run, *state_writes, name=f"autodist_accumulate_{j}")
-            for j, run in enumerate(accumulation.runs))
+        for index, synchronizers in enumerate(per_call):
+            accumulation = Accumulation(item.accumulation_steps)
+            reduced = _synchronize(result, index, synchronizers, accumulation)
+            update = UpdateOps(train_op=None)
+            update.train_op, update.remote_step_op, foreign_here = _apply_updates(
+                item, item.optimizer_calls[index], reduced, list(synchronizers.values()),
+                shared_variables, ctx, update.optimizers)
+            foreign |= foreign_here
+            if state_writes or accumulation.resets:
+                update.train_op = tf.group(update.train_op, *state_writes, *accumulation.resets,
+                                           name="autodist_train_op_and_state")
+            update.accumulate_ops = tuple(
+                tf.group(*run, *state_writes, name=f"autodist_accumulate_{j}")
+                for j, run in enumerate(accumulation.runs))
+            result.updates.append(update)
         _reconnect(result, deferred)
         _plan_initialization(result, list(shared_variables.values()),
-                             list(synchronizers.values()), foreign)
+                             [s for synchronizers in per_call for s in synchronizers.values()],
+                             foreign)
     return result
 
 
@@ -199,9 +227,9 @@ def _stitched_handle(variable: CompiledVariable, parts: list, replica: int,
             return tf.identity(stitched.handle)
 
 
-def _synchronize(result: DistributedGraph, synchronizers: dict,
+def _synchronize(result: DistributedGraph, call: int, synchronizers: dict,
                  accumulation: Accumulation) -> Reduced:
-    """Cuts gradients per part and has each part's kind reduce them.
+    """Cuts the gradients of optimizer call ``call`` per part; each part's kind reduces them.
 
     Args:
         accumulation: receives the ops keeping gradients between runs, when a
@@ -212,7 +240,7 @@ def _synchronize(result: DistributedGraph, synchronizers: dict,
     weights = replicator.row_weights(item, ctx)
     for name, storage in result.storage.items():
         ref = item.gradients.get(name)
-        if ref is None:
+        if ref is None or item.call_of[name] != call:
             continue
         per_replica = [_replica_gradient(result, ref, r, storage.compiled.info.shape)
                        for r in range(ctx.num_replicas)]
@@ -281,9 +309,9 @@ def _register_shared_variables(item: GraphItem) -> dict:
     return variables
 
 
-def _apply_updates(item: GraphItem, reduced: Reduced, synchronizers: list,
+def _apply_updates(item: GraphItem, call, reduced: Reduced, synchronizers: list,
                    shared_variables: dict, ctx: KernelContext, optimizers: list) -> tuple:
-    """Runs the user's optimizer on this node's copies, then each kind's end of the step.
+    """Runs one optimizer call on this node's copies, then each kind's end of the step.
 
     A split step does the local part (the collectives, their updates, stashing
     gradients for other nodes) in its first run and the traffic to other nodes'
@@ -298,10 +326,9 @@ def _apply_updates(item: GraphItem, reduced: Reduced, synchronizers: list,
         of the foreign updates' optimizer copies, which another node initializes)
     """
     graph = tf.compat.v1.get_default_graph()
-    call = item.optimizer_call
 
     def translate(value):
-        if value.op.name in call.update_op_names:
+        if value.op.name in item.update_op_names:
             return None  # prepared by apply_gradients itself, again in the new graph
         if isinstance(value, tf.Variable):
             return shared_variables[value.op.name].read_value()
@@ -359,8 +386,8 @@ def _reconnect(result: DistributedGraph, deferred: list) -> None:
     for node, source in deferred:
         if source in item.initializer_of:
             target = result.storage[item.initializer_of[source]].initializer()
-        elif source in item.optimizer_call.update_op_names:
-            target = result.train_op
+        elif item.call_of_op(source) is not None:
+            target = result.updates[item.call_of_op(source)].train_op
         elif source in item.replicated:
             target = tf.group(*[result.replica_element(source, r)
                                 for r in range(result.ctx.num_replicas)])

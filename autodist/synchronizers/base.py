@@ -395,10 +395,13 @@ def token_queue(worker: int, ctx: KernelContext, purpose: str = "sync_token",
     """The queue through which the chief lets worker ``worker`` go on.
 
     With the default ``purpose``, the worker's next step waits for a token; other
-    purposes (e.g. a finished restore) get queues of their own. The queue lives
-    on ``device``, by default the chief's.
+    purposes (e.g. a finished restore) get queues of their own, and so does each
+    optimizer call after the first (``ctx.update_index``). The queue lives on
+    ``device``, by default the chief's.
     """
     name = f"autodist_{purpose}_{worker}"
+    if ctx.update_index:
+        name += f"_update{ctx.update_index}"
     with tf.device(device or ctx.chief_device):
         return tf.queue.FIFOQueue(capacity=-1, dtypes=[tf.int64], shapes=[[]],
                                   shared_name=name, name=name)
