@@ -22,8 +22,8 @@ import tensorflow as tf
 import keras_models as km
 from autodist import AutoDist
 from autodist.strategy import (PS, AllReduce, Parallax, PartitionedAR, PartitionedPS,
-                               PSLoadBalancing, RandomAxisPartitionAR, Strategy,
-                               UnevenPartitionedPS)
+                               PSLoadBalancing, RandomAxisPartitionAR, ShardedUpdateAR,
+                               Strategy, UnevenPartitionedPS)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -41,6 +41,7 @@ BUILDERS = {
     "PartitionedAR": lambda: PartitionedAR(num_partitions=2),
     "RandomAxisPartitionAR": lambda: RandomAxisPartitionAR(num_partitions=2, seed=3),
     "Parallax": Parallax,
+    "ShardedUpdateAR": ShardedUpdateAR,
 }
 SUBSET = ("AllReduce", "PartitionedPS", "Parallax")
 
@@ -114,20 +115,20 @@ def fit_autodist(spec: str, builder, model_name: str, optimizer: str):
 
 
 @functools.lru_cache(maxsize=None)
-def function_single(model_name: str) -> Trained:
+def function_single(model_name: str, optimizer: str = "adam") -> Trained:
     model = km.build(model_name)
-    optimizer = OPTIMIZERS["adam"]()
+    optimizer = OPTIMIZERS[optimizer]()
     step = tf.function(km.make_train_step(model, optimizer, km.loss(model_name)))
     losses = [step(x, y).numpy() for x, y in km.batches(*km.data(model_name))]
     return snapshot(model, optimizer, losses=losses)
 
 
-def function_autodist(spec: str, builder, model_name: str):
+def function_autodist(spec: str, builder, model_name: str, optimizer: str = "adam"):
     """Returns (what training left, the AutoDist instance, the distributed function)."""
     ad = AutoDist(resource_spec_file=spec, strategy_builder=builder)
     with ad.scope():
         model = km.build(model_name)
-        optimizer = OPTIMIZERS["adam"]()
+        optimizer = OPTIMIZERS[optimizer]()
         step = ad.function(km.make_train_step(model, optimizer, km.loss(model_name)))
     losses = []
     for x, y in km.batches(*km.data(model_name)):
@@ -230,22 +231,24 @@ def saved_strategy_file(spec: str, model_name: str, directory) -> str:
     return ad.strategy.save(directory / f"{model_name}.strategy")
 
 
-FUNCTION_CASES = ([("mlp", b) for b in [*BUILDERS, "saved"]]
-                  + [("embedding", b) for b in [*SUBSET, "PS", "saved"]])
+FUNCTION_CASES = ([("mlp", b, "adam") for b in [*BUILDERS, "saved"]]
+                  + [("embedding", b, "adam") for b in [*SUBSET, "PS", "saved"]]
+                  + [(m, b, "adam") for m in ("cnn", "transformer") for b in [*SUBSET, "saved"]]
+                  + [("mlp", b, "sgd-clipped") for b in ("AllReduce", "PS", "PartitionedPS")])
 
 
-@pytest.mark.parametrize("model_name, builder", FUNCTION_CASES)
-def test_function_matches_tf_function(spec_path, tmp_path, model_name, builder):
+@pytest.mark.parametrize("model_name, builder, optimizer", FUNCTION_CASES)
+def test_function_matches_tf_function(spec_path, tmp_path, model_name, builder, optimizer):
     if builder == "saved":
         path = saved_strategy_file(spec_path, model_name, tmp_path)
         strategy = Strategy.load(path)
-        got, ad, _ = function_autodist(spec_path, strategy, model_name)
+        got, ad, _ = function_autodist(spec_path, strategy, model_name, optimizer)
         assert ad.strategy is strategy
     else:
-        got, ad, _ = function_autodist(spec_path, BUILDERS[builder](), model_name)
-    want = function_single(model_name)
+        got, ad, _ = function_autodist(spec_path, BUILDERS[builder](), model_name, optimizer)
+    want = function_single(model_name, optimizer)
     assert len(want.losses) == km.SAMPLES // km.BATCH_SIZE
-    assert_same(got, want, f"ad.function on {model_name} under {builder}")
+    assert_same(got, want, f"ad.function on {model_name} under {builder} with {optimizer}")
 
 
 def test_fit_under_a_saved_strategy_matches_single_device(spec_path, tmp_path):
