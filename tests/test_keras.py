@@ -21,6 +21,8 @@ import tensorflow as tf
 
 import keras_models as km
 from autodist import AutoDist
+from autodist.kernels import partitioner
+from autodist.partition import PartitionPlan
 from autodist.strategy import (PS, AllReduce, Parallax, PartitionedAR, PartitionedPS,
                                PSLoadBalancing, RandomAxisPartitionAR, ShardedUpdateAR,
                                Strategy, UnevenPartitionedPS)
@@ -205,22 +207,44 @@ def test_a_batch_with_fewer_rows_than_replicas_is_refused(spec_path_4cpu):
 
 # ----------------------------------------------------------------------------- 2. clipping
 
-def test_global_clipnorm_binds_on_the_mlp_data():
+# Models and builders that clipped SGD runs on beyond the MLP's builders.
+CLIPPED_MODELS = ("mlp", "embedding", "transformer")
+CLIPPED_BUILDERS = ("AllReduce", "PartitionedPS")
+
+
+@pytest.mark.parametrize("model_name", CLIPPED_MODELS)
+def test_global_clipnorm_binds_on_the_model_s_data(model_name):
     """Without this, the clipped cases below could not tell a clip from no clip."""
-    model = km.build("mlp")
-    x, y = km.data("mlp")
+    model = km.build(model_name)
+    x, y = km.data(model_name)
     with tf.GradientTape() as tape:
-        value = km.loss("mlp")(y[:km.BATCH_SIZE], model(x[:km.BATCH_SIZE], training=True))
+        value = km.loss(model_name)(y[:km.BATCH_SIZE], model(x[:km.BATCH_SIZE], training=True))
     norm = tf.linalg.global_norm(tape.gradient(value, model.trainable_variables))
     assert float(norm) > 10 * 0.1
-    clipped, unclipped = fit_single("mlp", "sgd-clipped"), fit_single("mlp", "sgd")
+    clipped, unclipped = fit_single(model_name, "sgd-clipped"), fit_single(model_name, "sgd")
     assert max(np.abs(a - b).max() for a, b in zip(clipped.weights, unclipped.weights)) > 1e-2
 
 
-@pytest.mark.parametrize("builder", ["AllReduce", "PS", "PartitionedPS", "Parallax"])
-def test_fit_with_global_clipnorm_matches_single_device(spec_path, builder):
-    got, _, _ = fit_autodist(spec_path, BUILDERS[builder](), "mlp", "sgd-clipped")
-    assert_same(got, fit_single("mlp", "sgd-clipped"), f"clipped SGD under {builder}")
+@pytest.mark.parametrize("model_name, builder", (
+    [("mlp", b) for b in ["AllReduce", "PS", "PartitionedPS", "Parallax"]]
+    + [(m, b) for m in CLIPPED_MODELS[1:] for b in CLIPPED_BUILDERS]))
+def test_fit_with_global_clipnorm_matches_single_device(spec_path, model_name, builder):
+    got, _, _ = fit_autodist(spec_path, BUILDERS[builder](), model_name, "sgd-clipped")
+    assert_same(got, fit_single(model_name, "sgd-clipped"),
+                f"clipped SGD on {model_name} under {builder}")
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_a_split_sparse_gradient_stitches_back_row_for_row(axis):
+    """What a global norm over a partitioned Embedding reads: its rows, duplicates apart."""
+    plan = PartitionPlan(axis=axis, sizes=(3, 2) if axis == 0 else (1, 1), shape=(5, 2))
+    grad = tf.IndexedSlices(tf.constant([[1., 2.], [3., 4.], [5., 6.], [7., 8.]]),
+                            tf.constant([4, 0, 4, 2]), tf.constant([5, 2]))
+    whole = partitioner.stitch_gradient(partitioner.split_gradient(grad, plan), plan)
+    assert isinstance(whole, tf.IndexedSlices)
+    rows = sorted(zip(whole.indices.numpy().tolist(), whole.values.numpy().tolist()))
+    assert rows == sorted(zip(grad.indices.numpy().tolist(), grad.values.numpy().tolist()))
+    assert whole.dense_shape.numpy().tolist() == [5, 2]
 
 
 # ----------------------------------------------------------------------------- 3. ad.function
@@ -234,7 +258,8 @@ def saved_strategy_file(spec: str, model_name: str, directory) -> str:
 FUNCTION_CASES = ([("mlp", b, "adam") for b in [*BUILDERS, "saved"]]
                   + [("embedding", b, "adam") for b in [*SUBSET, "PS", "saved"]]
                   + [(m, b, "adam") for m in ("cnn", "transformer") for b in [*SUBSET, "saved"]]
-                  + [("mlp", b, "sgd-clipped") for b in ("AllReduce", "PS", "PartitionedPS")])
+                  + [("mlp", "PS", "sgd-clipped")]
+                  + [(m, b, "sgd-clipped") for m in CLIPPED_MODELS for b in CLIPPED_BUILDERS])
 
 
 @pytest.mark.parametrize("model_name, builder, optimizer", FUNCTION_CASES)

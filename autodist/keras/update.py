@@ -285,8 +285,10 @@ class KerasUpdate:
                     f"{call.optimizer_name}'s update combines the gradients of several "
                     f"variables, but the parts of '{owner}' are updated on several nodes "
                     "under this strategy.")
-            dense = [tf.convert_to_tensor(p.gradient) for p in parts]
-            return _component(partitioner.stitch(dense, parts[0].plan), key, dtype, None)
+            # Stitched as the traced update saw it: a sparse gradient stays sparse, as
+            # the update may read its indices and values (a dense stitch has neither).
+            return _component(partitioner.stitch_gradient([p.gradient for p in parts],
+                                                          parts[0].plan), key, dtype, None)
 
         handles = dict(state_handles)
         for update in updates:
