@@ -296,15 +296,35 @@ def test_function_accepts_a_tf_function_and_tensors(spec_path):
 
 # ----------------------------------------------------------------------------- 4. batch split
 
-@pytest.mark.parametrize("spec_fixture, replicas", [("spec_path", 2), ("spec_path_4cpu", 4)])
-def test_each_replica_computes_its_share_of_the_batch(request, spec_fixture, replicas):
+def trained_session(spec: str, builder, way: str, x: np.ndarray, y: np.ndarray):
+    """One MLP step on (x, y) through ``fit`` or ``ad.function``.
+
+    Returns:
+        (AutoDist's session, the model, the AutoDist instance)
+    """
+    ad = AutoDist(resource_spec_file=spec, strategy_builder=builder)
+    with ad.scope():
+        if way == "fit":
+            model = km.compiled("mlp", OPTIMIZERS["adam"]())
+        else:
+            model = km.build("mlp")
+            step = ad.function(km.make_train_step(model, OPTIMIZERS["adam"](), km.loss("mlp")))
+    if way == "fit":
+        model.fit(x, y, epochs=1, batch_size=len(x), verbose=0)
+        return model._autodist_fit.step.session, model, ad
+    step(x, y)
+    return step.step.session, model, ad
+
+
+@pytest.mark.parametrize("way, builder, spec_fixture, replicas", [
+    ("fit", "AllReduce", "spec_path", 2), ("fit", "AllReduce", "spec_path_4cpu", 4),
+    ("fit", "PartitionedPS", "spec_path", 2), ("function", "AllReduce", "spec_path", 2),
+    ("function", "PartitionedPS", "spec_path_4cpu", 4)])
+def test_each_replica_computes_its_share_of_the_batch(request, way, builder, spec_fixture,
+                                                      replicas):
     spec = request.getfixturevalue(spec_fixture)
     x, y = km.data("mlp")
-    ad = AutoDist(resource_spec_file=spec, strategy_builder=AllReduce())
-    with ad.scope():
-        model = km.compiled("mlp", OPTIMIZERS["adam"]())
-    model.fit(x[:8], y[:8], epochs=1, batch_size=8, verbose=0)
-    session = model._autodist_fit.step.session
+    session, model, ad = trained_session(spec, BUILDERS[builder](), way, x[:8], y[:8])
     graph, item = session.distributed.graph, session.distributed.item
     assert len(ad.strategy.replicas) == replicas
 
