@@ -21,6 +21,7 @@ import tensorflow as tf
 
 import keras_models as km
 from autodist import AutoDist
+from autodist.keras.update import RESOURCE_WRITES
 from autodist.kernels import partitioner
 from autodist.partition import PartitionPlan
 from autodist.strategy import (PS, AllReduce, Parallax, PartitionedAR, PartitionedPS,
@@ -51,6 +52,12 @@ OPTIMIZERS = {
     "adam": lambda: keras.optimizers.Adam(0.01),
     "sgd-clipped": lambda: keras.optimizers.SGD(0.05, momentum=0.9, global_clipnorm=0.1),
     "sgd": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.01, momentum=0.5, centered=True),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.1),
+    "adam-decayed": lambda: keras.optimizers.Adam(
+        keras.optimizers.schedules.ExponentialDecay(0.02, decay_steps=2, decay_rate=0.5)),
+    "sgd-clipnorm": lambda: keras.optimizers.SGD(0.05, momentum=0.9, clipnorm=0.1),
 }
 
 
@@ -245,6 +252,56 @@ def test_a_split_sparse_gradient_stitches_back_row_for_row(axis):
     rows = sorted(zip(whole.indices.numpy().tolist(), whole.values.numpy().tolist()))
     assert rows == sorted(zip(grad.indices.numpy().tolist(), grad.values.numpy().tolist()))
     assert whole.dense_shape.numpy().tolist() == [5, 2]
+
+
+# ----------------------------------------------------------------------------- more optimizers
+
+# Each optimizer's setting that the plain one lacks: weight decay, a schedule, a clip.
+VARIANTS = {"adamw": "adam", "adam-decayed": "adam", "sgd-clipnorm": "sgd"}
+
+
+@pytest.mark.parametrize("optimizer", VARIANTS)
+def test_the_optimizer_s_setting_changes_single_device_training(optimizer):
+    """Without this, matching single-device could not tell the setting apart from none."""
+    got, plain = fit_single("mlp", optimizer), fit_single("mlp", VARIANTS[optimizer])
+    assert max(np.abs(a - b).max() for a, b in zip(got.weights, plain.weights)) > 1e-3
+
+
+def ancestors(op: tf.Operation) -> set:
+    """Names of the ops ``op`` waits for, through data and control edges."""
+    seen, todo = set(), [op]
+    while todo:
+        op = todo.pop()
+        if op.name not in seen:
+            seen.add(op.name)
+            todo.extend([t.op for t in op.inputs] + list(op.control_inputs))
+    return seen
+
+
+@pytest.mark.parametrize("optimizer, builder", [
+    (o, b) for o in ("adamw", "rmsprop", "adagrad", "adam-decayed", "sgd-clipnorm")
+    for b in ("AllReduce", "PartitionedPS") if (o, b) != ("sgd-clipnorm", "PartitionedPS")])
+def test_fit_with_more_keras_optimizers_matches_single_device(spec_path, optimizer, builder):
+    got, model, _ = fit_autodist(spec_path, BUILDERS[builder](), "mlp", optimizer)
+    assert_same(got, fit_single("mlp", optimizer), f"{optimizer} under {builder}")
+    # Every write of the update (AdamW's decay too, which reads no gradient) waits
+    # for the forward pass, as in the traced step: else it races the replicas' reads.
+    # (An all-reduce joins the other replicas at run time, not by graph edges.)
+    graph = model._autodist_fit.step.session.distributed.graph
+    forward = {ops[0].name for ops in replica_ops(graph, r"(^|/)hidden[^/]*/MatMul$").values()}
+    writes = [op for op in graph.get_operations()
+              if op.name.startswith("keras_update/") and op.type in RESOURCE_WRITES]
+    assert len(forward) == 2 and writes
+    for write in writes:
+        assert forward & ancestors(write), f"{write.name} may run before the forward pass"
+
+
+def test_clipnorm_on_a_partitioned_variable_is_refused_by_name(spec_path):
+    # clipnorm divides by the norm of the whole variable, which no part holds.
+    with pytest.raises(NotImplementedError, match=(
+            r"cannot cut 'mlp/hidden/kernel' under SGD: its update is not elementwise "
+            r"\(it uses Sum\); use a strategy that keeps the variable whole")):
+        fit_autodist(spec_path, PartitionedPS(), "mlp", "sgd-clipnorm")
 
 
 # ----------------------------------------------------------------------------- 3. ad.function
