@@ -21,9 +21,12 @@ import tensorflow as tf
 
 import keras_models as km
 from autodist import AutoDist
+from autodist.keras.update import RESOURCE_WRITES
+from autodist.kernels import partitioner
+from autodist.partition import PartitionPlan
 from autodist.strategy import (PS, AllReduce, Parallax, PartitionedAR, PartitionedPS,
-                               PSLoadBalancing, RandomAxisPartitionAR, Strategy,
-                               UnevenPartitionedPS)
+                               PSLoadBalancing, RandomAxisPartitionAR, ShardedUpdateAR,
+                               Strategy, UnevenPartitionedPS)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -41,6 +44,7 @@ BUILDERS = {
     "PartitionedAR": lambda: PartitionedAR(num_partitions=2),
     "RandomAxisPartitionAR": lambda: RandomAxisPartitionAR(num_partitions=2, seed=3),
     "Parallax": Parallax,
+    "ShardedUpdateAR": ShardedUpdateAR,
 }
 SUBSET = ("AllReduce", "PartitionedPS", "Parallax")
 
@@ -48,6 +52,12 @@ OPTIMIZERS = {
     "adam": lambda: keras.optimizers.Adam(0.01),
     "sgd-clipped": lambda: keras.optimizers.SGD(0.05, momentum=0.9, global_clipnorm=0.1),
     "sgd": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.01, momentum=0.5, centered=True),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.1),
+    "adam-decayed": lambda: keras.optimizers.Adam(
+        keras.optimizers.schedules.ExponentialDecay(0.02, decay_steps=2, decay_rate=0.5)),
+    "sgd-clipnorm": lambda: keras.optimizers.SGD(0.05, momentum=0.9, clipnorm=0.1),
 }
 
 
@@ -114,20 +124,20 @@ def fit_autodist(spec: str, builder, model_name: str, optimizer: str):
 
 
 @functools.lru_cache(maxsize=None)
-def function_single(model_name: str) -> Trained:
+def function_single(model_name: str, optimizer: str = "adam") -> Trained:
     model = km.build(model_name)
-    optimizer = OPTIMIZERS["adam"]()
+    optimizer = OPTIMIZERS[optimizer]()
     step = tf.function(km.make_train_step(model, optimizer, km.loss(model_name)))
     losses = [step(x, y).numpy() for x, y in km.batches(*km.data(model_name))]
     return snapshot(model, optimizer, losses=losses)
 
 
-def function_autodist(spec: str, builder, model_name: str):
+def function_autodist(spec: str, builder, model_name: str, optimizer: str = "adam"):
     """Returns (what training left, the AutoDist instance, the distributed function)."""
     ad = AutoDist(resource_spec_file=spec, strategy_builder=builder)
     with ad.scope():
         model = km.build(model_name)
-        optimizer = OPTIMIZERS["adam"]()
+        optimizer = OPTIMIZERS[optimizer]()
         step = ad.function(km.make_train_step(model, optimizer, km.loss(model_name)))
     losses = []
     for x, y in km.batches(*km.data(model_name)):
@@ -204,22 +214,94 @@ def test_a_batch_with_fewer_rows_than_replicas_is_refused(spec_path_4cpu):
 
 # ----------------------------------------------------------------------------- 2. clipping
 
-def test_global_clipnorm_binds_on_the_mlp_data():
+# Models and builders that clipped SGD runs on beyond the MLP's builders.
+CLIPPED_MODELS = ("mlp", "embedding", "transformer")
+CLIPPED_BUILDERS = ("AllReduce", "PartitionedPS")
+
+
+@pytest.mark.parametrize("model_name", CLIPPED_MODELS)
+def test_global_clipnorm_binds_on_the_model_s_data(model_name):
     """Without this, the clipped cases below could not tell a clip from no clip."""
-    model = km.build("mlp")
-    x, y = km.data("mlp")
+    model = km.build(model_name)
+    x, y = km.data(model_name)
     with tf.GradientTape() as tape:
-        value = km.loss("mlp")(y[:km.BATCH_SIZE], model(x[:km.BATCH_SIZE], training=True))
+        value = km.loss(model_name)(y[:km.BATCH_SIZE], model(x[:km.BATCH_SIZE], training=True))
     norm = tf.linalg.global_norm(tape.gradient(value, model.trainable_variables))
     assert float(norm) > 10 * 0.1
-    clipped, unclipped = fit_single("mlp", "sgd-clipped"), fit_single("mlp", "sgd")
+    clipped, unclipped = fit_single(model_name, "sgd-clipped"), fit_single(model_name, "sgd")
     assert max(np.abs(a - b).max() for a, b in zip(clipped.weights, unclipped.weights)) > 1e-2
 
 
-@pytest.mark.parametrize("builder", ["AllReduce", "PS", "PartitionedPS", "Parallax"])
-def test_fit_with_global_clipnorm_matches_single_device(spec_path, builder):
-    got, _, _ = fit_autodist(spec_path, BUILDERS[builder](), "mlp", "sgd-clipped")
-    assert_same(got, fit_single("mlp", "sgd-clipped"), f"clipped SGD under {builder}")
+@pytest.mark.parametrize("model_name, builder", (
+    [("mlp", b) for b in ["AllReduce", "PS", "PartitionedPS", "Parallax"]]
+    + [(m, b) for m in CLIPPED_MODELS[1:] for b in CLIPPED_BUILDERS]))
+def test_fit_with_global_clipnorm_matches_single_device(spec_path, model_name, builder):
+    got, _, _ = fit_autodist(spec_path, BUILDERS[builder](), model_name, "sgd-clipped")
+    assert_same(got, fit_single(model_name, "sgd-clipped"),
+                f"clipped SGD on {model_name} under {builder}")
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_a_split_sparse_gradient_stitches_back_row_for_row(axis):
+    """What a global norm over a partitioned Embedding reads: its rows, duplicates apart."""
+    plan = PartitionPlan(axis=axis, sizes=(3, 2) if axis == 0 else (1, 1), shape=(5, 2))
+    grad = tf.IndexedSlices(tf.constant([[1., 2.], [3., 4.], [5., 6.], [7., 8.]]),
+                            tf.constant([4, 0, 4, 2]), tf.constant([5, 2]))
+    whole = partitioner.stitch_gradient(partitioner.split_gradient(grad, plan), plan)
+    assert isinstance(whole, tf.IndexedSlices)
+    rows = sorted(zip(whole.indices.numpy().tolist(), whole.values.numpy().tolist()))
+    assert rows == sorted(zip(grad.indices.numpy().tolist(), grad.values.numpy().tolist()))
+    assert whole.dense_shape.numpy().tolist() == [5, 2]
+
+
+# ----------------------------------------------------------------------------- more optimizers
+
+# Each optimizer's setting that the plain one lacks: weight decay, a schedule, a clip.
+VARIANTS = {"adamw": "adam", "adam-decayed": "adam", "sgd-clipnorm": "sgd"}
+
+
+@pytest.mark.parametrize("optimizer", VARIANTS)
+def test_the_optimizer_s_setting_changes_single_device_training(optimizer):
+    """Without this, matching single-device could not tell the setting apart from none."""
+    got, plain = fit_single("mlp", optimizer), fit_single("mlp", VARIANTS[optimizer])
+    assert max(np.abs(a - b).max() for a, b in zip(got.weights, plain.weights)) > 1e-3
+
+
+def ancestors(op: tf.Operation) -> set:
+    """Names of the ops ``op`` waits for, through data and control edges."""
+    seen, todo = set(), [op]
+    while todo:
+        op = todo.pop()
+        if op.name not in seen:
+            seen.add(op.name)
+            todo.extend([t.op for t in op.inputs] + list(op.control_inputs))
+    return seen
+
+
+@pytest.mark.parametrize("optimizer, builder", [
+    (o, b) for o in ("adamw", "rmsprop", "adagrad", "adam-decayed", "sgd-clipnorm")
+    for b in ("AllReduce", "PartitionedPS") if (o, b) != ("sgd-clipnorm", "PartitionedPS")])
+def test_fit_with_more_keras_optimizers_matches_single_device(spec_path, optimizer, builder):
+    got, model, _ = fit_autodist(spec_path, BUILDERS[builder](), "mlp", optimizer)
+    assert_same(got, fit_single("mlp", optimizer), f"{optimizer} under {builder}")
+    # Every write of the update (AdamW's decay too, which reads no gradient) waits
+    # for the forward pass, as in the traced step: else it races the replicas' reads.
+    # (An all-reduce joins the other replicas at run time, not by graph edges.)
+    graph = model._autodist_fit.step.session.distributed.graph
+    forward = {ops[0].name for ops in replica_ops(graph, r"(^|/)hidden[^/]*/MatMul$").values()}
+    writes = [op for op in graph.get_operations()
+              if op.name.startswith("keras_update/") and op.type in RESOURCE_WRITES]
+    assert len(forward) == 2 and writes
+    for write in writes:
+        assert forward & ancestors(write), f"{write.name} may run before the forward pass"
+
+
+def test_clipnorm_on_a_partitioned_variable_is_refused_by_name(spec_path):
+    # clipnorm divides by the norm of the whole variable, which no part holds.
+    with pytest.raises(NotImplementedError, match=(
+            r"cannot cut 'mlp/hidden/kernel' under SGD: its update is not elementwise "
+            r"\(it uses Sum\); use a strategy that keeps the variable whole")):
+        fit_autodist(spec_path, PartitionedPS(), "mlp", "sgd-clipnorm")
 
 
 # ----------------------------------------------------------------------------- 3. ad.function
@@ -230,22 +312,25 @@ def saved_strategy_file(spec: str, model_name: str, directory) -> str:
     return ad.strategy.save(directory / f"{model_name}.strategy")
 
 
-FUNCTION_CASES = ([("mlp", b) for b in [*BUILDERS, "saved"]]
-                  + [("embedding", b) for b in [*SUBSET, "PS", "saved"]])
+FUNCTION_CASES = ([("mlp", b, "adam") for b in [*BUILDERS, "saved"]]
+                  + [("embedding", b, "adam") for b in [*SUBSET, "PS", "saved"]]
+                  + [(m, b, "adam") for m in ("cnn", "transformer") for b in [*SUBSET, "saved"]]
+                  + [("mlp", "PS", "sgd-clipped")]
+                  + [(m, b, "sgd-clipped") for m in CLIPPED_MODELS for b in CLIPPED_BUILDERS])
 
 
-@pytest.mark.parametrize("model_name, builder", FUNCTION_CASES)
-def test_function_matches_tf_function(spec_path, tmp_path, model_name, builder):
+@pytest.mark.parametrize("model_name, builder, optimizer", FUNCTION_CASES)
+def test_function_matches_tf_function(spec_path, tmp_path, model_name, builder, optimizer):
     if builder == "saved":
         path = saved_strategy_file(spec_path, model_name, tmp_path)
         strategy = Strategy.load(path)
-        got, ad, _ = function_autodist(spec_path, strategy, model_name)
+        got, ad, _ = function_autodist(spec_path, strategy, model_name, optimizer)
         assert ad.strategy is strategy
     else:
-        got, ad, _ = function_autodist(spec_path, BUILDERS[builder](), model_name)
-    want = function_single(model_name)
+        got, ad, _ = function_autodist(spec_path, BUILDERS[builder](), model_name, optimizer)
+    want = function_single(model_name, optimizer)
     assert len(want.losses) == km.SAMPLES // km.BATCH_SIZE
-    assert_same(got, want, f"ad.function on {model_name} under {builder}")
+    assert_same(got, want, f"ad.function on {model_name} under {builder} with {optimizer}")
 
 
 def test_fit_under_a_saved_strategy_matches_single_device(spec_path, tmp_path):
@@ -268,15 +353,35 @@ def test_function_accepts_a_tf_function_and_tensors(spec_path):
 
 # ----------------------------------------------------------------------------- 4. batch split
 
-@pytest.mark.parametrize("spec_fixture, replicas", [("spec_path", 2), ("spec_path_4cpu", 4)])
-def test_each_replica_computes_its_share_of_the_batch(request, spec_fixture, replicas):
+def trained_session(spec: str, builder, way: str, x: np.ndarray, y: np.ndarray):
+    """One MLP step on (x, y) through ``fit`` or ``ad.function``.
+
+    Returns:
+        (AutoDist's session, the model, the AutoDist instance)
+    """
+    ad = AutoDist(resource_spec_file=spec, strategy_builder=builder)
+    with ad.scope():
+        if way == "fit":
+            model = km.compiled("mlp", OPTIMIZERS["adam"]())
+        else:
+            model = km.build("mlp")
+            step = ad.function(km.make_train_step(model, OPTIMIZERS["adam"](), km.loss("mlp")))
+    if way == "fit":
+        model.fit(x, y, epochs=1, batch_size=len(x), verbose=0)
+        return model._autodist_fit.step.session, model, ad
+    step(x, y)
+    return step.step.session, model, ad
+
+
+@pytest.mark.parametrize("way, builder, spec_fixture, replicas", [
+    ("fit", "AllReduce", "spec_path", 2), ("fit", "AllReduce", "spec_path_4cpu", 4),
+    ("fit", "PartitionedPS", "spec_path", 2), ("function", "AllReduce", "spec_path", 2),
+    ("function", "PartitionedPS", "spec_path_4cpu", 4)])
+def test_each_replica_computes_its_share_of_the_batch(request, way, builder, spec_fixture,
+                                                      replicas):
     spec = request.getfixturevalue(spec_fixture)
     x, y = km.data("mlp")
-    ad = AutoDist(resource_spec_file=spec, strategy_builder=AllReduce())
-    with ad.scope():
-        model = km.compiled("mlp", OPTIMIZERS["adam"]())
-    model.fit(x[:8], y[:8], epochs=1, batch_size=8, verbose=0)
-    session = model._autodist_fit.step.session
+    session, model, ad = trained_session(spec, BUILDERS[builder](), way, x[:8], y[:8])
     graph, item = session.distributed.graph, session.distributed.item
     assert len(ad.strategy.replicas) == replicas
 

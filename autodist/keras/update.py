@@ -3,7 +3,8 @@
 A traced Keras step holds the optimizer's whole update (gradient clipping, weight
 decay, the learning-rate schedule, the slots' and the variables' writes, the
 iteration count) as plain ops. ``KerasOptimizerCall`` cuts that update into
-three stages, from the data flow alone, so that any Keras optimizer works:
+three stages, from its ops' data and control edges alone, so that any Keras
+optimizer works:
 
 * common: what the update of several variables depends on (the learning rate
   at this iteration, a global gradient norm), computed once per update from
@@ -133,14 +134,19 @@ class KerasOptimizerCall:
         return name
 
     def _ancestors(self, names) -> set:
-        """Ops of the update that ``names`` depend on through data, themselves included."""
+        """Ops of the update that ``names`` depend on, themselves included.
+
+        Control inputs count: a slot's read that follows its write only by a
+        control edge (RMSprop reads the velocity it has just assigned) belongs with
+        that write, in the same stage, or it reads the slot's old value.
+        """
         seen, todo = set(), list(names)
         while todo:
             name = todo.pop()
             if name in seen or name not in self.nodes:
                 continue
             seen.add(name)
-            todo.extend(op_name(i) for i in self.nodes[name].input if not i.startswith("^"))
+            todo.extend(op_name(i) for i in self.nodes[name].input)
         return seen
 
     def _reads(self, names) -> set:
@@ -254,7 +260,13 @@ class KerasUpdate:
                 return _component(update.gradient, key, dtype, update.variable)
 
             inputs = self._inputs(ops, gradient, handles, common)
-            writes = self._import(ops, inputs, f"keras_update/{update.variable.op.name}")
+            # The traced step writes the variable after the forward pass has read it;
+            # those control edges lead out of the update and are not imported. Writes
+            # that do not read the gradient (AdamW's weight decay) would otherwise race
+            # the replicas' reads: the stage waits for the mean gradient, which the
+            # replicas compute from what they read.
+            with tf.control_dependencies(tf.nest.flatten(update.gradient, expand_composites=True)):
+                writes = self._import(ops, inputs, f"keras_update/{update.variable.op.name}")
         return tf.group(*self._writes(writes))
 
     def _common_inputs(self, updates: list, state_handles: dict) -> dict:
@@ -285,8 +297,10 @@ class KerasUpdate:
                     f"{call.optimizer_name}'s update combines the gradients of several "
                     f"variables, but the parts of '{owner}' are updated on several nodes "
                     "under this strategy.")
-            dense = [tf.convert_to_tensor(p.gradient) for p in parts]
-            return _component(partitioner.stitch(dense, parts[0].plan), key, dtype, None)
+            # Stitched as the traced update saw it: a sparse gradient stays sparse, as
+            # the update may read its indices and values (a dense stitch has neither).
+            return _component(partitioner.stitch_gradient([p.gradient for p in parts],
+                                                          parts[0].plan), key, dtype, None)
 
         handles = dict(state_handles)
         for update in updates:

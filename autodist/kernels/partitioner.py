@@ -22,6 +22,27 @@ def stitch(parts: list, plan: PartitionPlan) -> tf.Tensor:
     return tf.concat(parts, axis=plan.axis)
 
 
+def stitch_gradient(parts: list, plan: PartitionPlan):
+    """The full gradient from its parts' gradients, undoing ``split_gradient``.
+
+    Sparse parts are joined row for row (indices back to global ones), not
+    summed into a dense tensor: an update may read the rows themselves (Keras's
+    global norm of an IndexedSlices gradient sums its rows' squares, duplicate
+    indices apart).
+    """
+    if not isinstance(parts[0], tf.IndexedSlices):
+        return stitch([tf.convert_to_tensor(p) for p in parts], plan)
+    shape = tf.constant(plan.shape, tf.int64)
+    if plan.axis != 0:
+        return tf.IndexedSlices(tf.concat([p.values for p in parts], axis=plan.axis),
+                                parts[0].indices, shape)
+    return tf.IndexedSlices(
+        tf.concat([p.values for p in parts], axis=0),
+        tf.concat([tf.cast(p.indices, tf.int64) + start
+                   for p, start in zip(parts, plan.offsets)], axis=0),
+        shape)
+
+
 def split_gradient(grad, plan: PartitionPlan) -> list:
     """Cuts a dense or IndexedSlices gradient into the parts of ``plan``.
 
