@@ -30,6 +30,10 @@ class OptimizerCall:
         global_step: the step variable passed in, or None.
         update_op_names: every op the call created (slots, update ops, the result).
         result_op_name: the op ``apply_gradients`` returned (the user's train op).
+        raw_gradients: variable name -> the gradient ``compute_gradients``
+            returned for it in this graph, for each variable that has one, when
+            some of them is not what this call applies (the user processed it
+            in between, e.g. clipped it); else empty.
     """
 
     graph: tf.Graph
@@ -38,6 +42,7 @@ class OptimizerCall:
     global_step: object
     update_op_names: frozenset
     result_op_name: str
+    raw_gradients: dict = dataclasses.field(default_factory=dict)
 
     def slot_names(self) -> dict:
         """Original slot variable name -> (its variable's name, slot key)."""
@@ -92,10 +97,22 @@ class V1Update:
 def capture_apply_gradients(record: Callable[[OptimizerCall], None]) -> Iterator[None]:
     """Within the block, report every ``tf.compat.v1`` ``apply_gradients`` call.
 
-    The original method is always restored on exit, also on error. Optimizers that
-    override ``apply_gradients`` themselves are not seen.
+    ``compute_gradients`` calls are watched too, so that a call's
+    ``raw_gradients`` name what the user applied something else in place of.
+    The original methods are always restored on exit, also on error. Optimizers
+    that override ``apply_gradients`` themselves are not seen.
     """
     original = _V1Optimizer.apply_gradients
+    original_compute = _V1Optimizer.compute_gradients
+    computed = {}  # (graph, variable name) -> the gradient compute_gradients returned
+
+    def recording_compute_gradients(self, *args, **kwargs):
+        grads_and_vars = original_compute(self, *args, **kwargs)
+        graph = tf.compat.v1.get_default_graph()
+        for grad, variable in grads_and_vars:
+            if grad is not None:
+                computed[(graph, variable.op.name)] = grad
+        return grads_and_vars
 
     def recording_apply_gradients(self, grads_and_vars, global_step=None, name=None):
         if getattr(self, _COPY_MARK, False):  # AutoDist's own update, in the new graph
@@ -105,14 +122,21 @@ def capture_apply_gradients(record: Callable[[OptimizerCall], None]) -> Iterator
         before = {op.name for op in graph.get_operations()}
         result = original(self, grads_and_vars, global_step=global_step, name=name)
         created = frozenset(op.name for op in graph.get_operations()) - before
-        record(OptimizerCall(graph, self, grads_and_vars, global_step, created, result.name))
+        applied = {variable.op.name: grad for grad, variable in grads_and_vars
+                   if grad is not None and (graph, variable.op.name) in computed}
+        raw = {name: computed[(graph, name)] for name in applied}
+        if all(raw[name] is grad for name, grad in applied.items()):
+            raw = {}  # applied as computed (``minimize``)
+        record(OptimizerCall(graph, self, grads_and_vars, global_step, created, result.name, raw))
         return result
 
     _V1Optimizer.apply_gradients = recording_apply_gradients
+    _V1Optimizer.compute_gradients = recording_compute_gradients
     try:
         yield
     finally:
         _V1Optimizer.apply_gradients = original
+        _V1Optimizer.compute_gradients = original_compute
 
 
 def optimizer_for_graph(optimizer: _V1Optimizer,

@@ -71,6 +71,38 @@ class PartUpdate:
     shard: Optional[tuple] = None
 
 
+def gradient_ref(grad) -> "GradientRef":
+    """The names of a gradient's tensors (a Tensor or IndexedSlices)."""
+    if isinstance(grad, tf.IndexedSlices):
+        shape = grad.dense_shape.name if grad.dense_shape is not None else None
+        return GradientRef(grad.values.name, grad.indices.name, shape)
+    return GradientRef(grad.name)
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientProcessing:
+    """What one optimizer call does to its gradients between ``compute_gradients``
+    and ``apply_gradients`` (clipping by global norm, scaling, any function).
+
+    The distributed graph runs these ops once, on the averaged gradients, as
+    single-device training runs them on the batch's gradient.
+
+    Attributes:
+        ops: names of the processing's ops in the original graph.
+        raw: variable name -> its gradient as ``compute_gradients`` returned it.
+        applied: variable name -> the processed gradient ``apply_gradients`` got.
+    """
+
+    ops: frozenset
+    raw: dict
+    applied: dict
+
+    def tensor_names(self) -> set:
+        """Every tensor name of the raw gradients."""
+        return {name for ref in self.raw.values()
+                for name in (ref.values, ref.indices, ref.dense_shape) if name}
+
+
 @dataclasses.dataclass(frozen=True)
 class GradientRef:
     """Names of a gradient's tensors in the original graph.
@@ -157,12 +189,8 @@ class GraphItem:
                         "variable must be updated by one optimizer (their states and "
                         "synchronizations would race).")
                 self.call_of[name] = index
-                if isinstance(grad, tf.IndexedSlices):
-                    shape = grad.dense_shape.name if grad.dense_shape is not None else None
-                    self.gradients[name] = GradientRef(grad.values.name, grad.indices.name,
-                                                       shape)
-                else:
-                    self.gradients[name] = GradientRef(grad.name)
+                # What the replicas compute and the kinds average: the raw gradient.
+                self.gradients[name] = gradient_ref(call.raw_gradients.get(name, grad))
         self.variables = {v.op.name: v for v in self._trainables}
         self.trainable_variables = [
             VariableInfo(name=v.op.name, shape=tuple(v.shape.as_list()),
@@ -171,6 +199,39 @@ class GraphItem:
                          has_grad=v.op.name in self.gradients)
             for v in self._trainables]
         self._classify_ops()
+        # optimizer call index -> its gradient processing, where it has one
+        self.processing = {index: self._processing(call)
+                           for index, call in enumerate(self.optimizer_calls)
+                           if call.raw_gradients}
+
+    def _processing(self, call) -> GradientProcessing:
+        """The ops between a call's raw gradients and what it applied."""
+        raw = {name: gradient_ref(grad) for name, grad in call.raw_gradients.items()}
+        applied = {v.op.name: gradient_ref(g) for g, v in call.grads_and_vars
+                   if g is not None and v.op.name in raw}
+        consumers = {}
+        for node in self.graph_def.node:
+            for inp in node.input:
+                if not inp.startswith("^"):
+                    consumers.setdefault(op_name(inp), []).append(node.name)
+        sources = {op_name(n) for ref in raw.values()
+                   for n in (ref.values, ref.indices, ref.dense_shape) if n}
+        downstream, todo = set(), [c for s in sources for c in consumers.get(s, [])]
+        while todo:
+            name = todo.pop()
+            if name not in downstream:
+                downstream.add(name)
+                todo.extend(consumers.get(name, []))
+        nodes = {node.name: node for node in self.graph_def.node}
+        ops, todo = set(), [op_name(n) for ref in applied.values()
+                            for n in (ref.values, ref.indices, ref.dense_shape) if n]
+        while todo:
+            name = todo.pop()
+            if name in ops or name in sources or name not in downstream:
+                continue
+            ops.add(name)
+            todo.extend(op_name(i) for i in nodes[name].input if not i.startswith("^"))
+        return GradientProcessing(frozenset(ops), raw, applied)
 
     def _classify_ops(self) -> None:
         nodes = {node.name: node for node in self.graph_def.node}

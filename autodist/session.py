@@ -9,6 +9,7 @@ from typing import Callable, Optional
 import tensorflow as tf
 
 from autodist import _tf_compat
+from autodist.kernels import gradient_processing
 from autodist.kernels.locations import Locator
 from autodist.kernels.transformer import DistributedGraph
 
@@ -251,6 +252,10 @@ class DistributedSession:
             return distributed.updates[call].train_op
         if op_name in item.initializer_of:
             return distributed.storage[item.initializer_of[op_name]].initializer()
+        processed = next((call for call, processing in item.processing.items()
+                          if op_name in processing.ops), None)
+        if processed is not None:
+            return self._processed(name, processed)
         if op_name in item.excluded:
             raise ValueError(f"AutoDist cannot fetch '{name}': it belongs to a variable that "
                              "the strategy recreated; fetch the variable itself.")
@@ -262,6 +267,17 @@ class DistributedSession:
         if ":" not in name:
             return tf.group(*copies)
         return _combine(copies)
+
+    def _processed(self, name: str, call: int):
+        """A tensor (or op) of the gradient processing: its one run on the averaged gradients."""
+        scoped = f"{gradient_processing.scope(call)}/{name}"
+        try:
+            return (self._graph.get_tensor_by_name(scoped) if ":" in name
+                    else self._graph.get_operation_by_name(scoped))
+        except KeyError:
+            raise ValueError(f"AutoDist cannot fetch '{name}' on this node: the gradient "
+                             "processing it belongs to runs where the updates run (fetch it "
+                             "on the chief).") from None
 
     def _optimizer_state(self, variable: str) -> tf.Tensor:
         """The single-device value of one of the optimizer's variables (a slot stitched)."""

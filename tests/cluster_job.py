@@ -15,7 +15,7 @@ variable by name.
 
     python cluster_job.py SPEC BUILDER OUT [--steps N] [--die-at STEP] [--mismatch]
                           [--restore CHECKPOINT] [--save CHECKPOINT] [--optimizer NAME]
-                          [--accumulation-steps K] [--gan]
+                          [--accumulation-steps K] [--gan] [--clip NORM]
 """
 import argparse
 import os
@@ -49,8 +49,12 @@ OPTIMIZERS = {
 }
 
 
-def build_model(extra_op: bool = False, optimizer: str = "adam"):
-    """An embedding (sparse gradient) plus two dense layers; returns feeds and fetches."""
+def build_model(extra_op: bool = False, optimizer: str = "adam", clip: float = 0.0):
+    """An embedding (sparse gradient) plus two dense layers; returns feeds and fetches.
+
+    With ``clip``, the gradients are clipped by their global norm between
+    ``compute_gradients`` and ``apply_gradients``.
+    """
     tf1.set_random_seed(7)
     ids = tf1.placeholder(tf.int32, [None, 3], name="ids")
     x = tf1.placeholder(tf.float32, [None, 5], name="x")
@@ -65,8 +69,14 @@ def build_model(extra_op: bool = False, optimizer: str = "adam"):
     if extra_op:
         features = features * 1.0
     loss = tf.reduce_mean(tf.square(tf.matmul(tf.tanh(tf.matmul(features, w1)), w2) - y))
-    train = OPTIMIZERS[optimizer]().minimize(
-        loss, global_step=tf1.train.get_or_create_global_step())
+    global_step = tf1.train.get_or_create_global_step()
+    if not clip:
+        train = OPTIMIZERS[optimizer]().minimize(loss, global_step=global_step)
+    else:
+        opt = OPTIMIZERS[optimizer]()
+        grads, variables = zip(*opt.compute_gradients(loss))
+        clipped, _ = tf.clip_by_global_norm(grads, clip)
+        train = opt.apply_gradients(zip(clipped, variables), global_step=global_step)
     return (ids, x, y), loss, train, [embedding, w1, w2]
 
 
@@ -76,14 +86,14 @@ def run_batch(num_replicas: int, run: int, accumulation_steps: int):
 
 
 def single_device_state(num_replicas: int, steps: int, optimizer: str = "adam",
-                        accumulation_steps: int = 1) -> dict:
+                        accumulation_steps: int = 1, clip: float = 0.0) -> dict:
     """Every global variable (slots included) after single-device training on the global batch.
 
     With accumulation, each of the ``steps // accumulation_steps`` updates trains
     on the concatenation of its runs' batches.
     """
     with tf.Graph().as_default():
-        inputs, _, train, _ = build_model(optimizer=optimizer)
+        inputs, _, train, _ = build_model(optimizer=optimizer, clip=clip)
         with tf1.Session() as sess:
             sess.run(tf1.global_variables_initializer())
             for update in range(steps // accumulation_steps):
@@ -94,9 +104,11 @@ def single_device_state(num_replicas: int, steps: int, optimizer: str = "adam",
             return {v.op.name: sess.run(v) for v in tf1.global_variables()}
 
 
-def reference(num_replicas: int, steps: int, accumulation_steps: int = 1) -> list:
+def reference(num_replicas: int, steps: int, accumulation_steps: int = 1,
+              clip: float = 0.0) -> list:
     """Single-device training on the global batch: the values every strategy must reach."""
-    state = single_device_state(num_replicas, steps, accumulation_steps=accumulation_steps)
+    state = single_device_state(num_replicas, steps, accumulation_steps=accumulation_steps,
+                                clip=clip)
     return [state[name] for name in ("embedding", "w1", "w2")]
 
 
@@ -130,6 +142,8 @@ def main() -> None:
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
     parser.add_argument("--accumulation-steps", type=int, default=1)
     parser.add_argument("--gan", action="store_true", help="train models.gan's two train ops")
+    parser.add_argument("--clip", type=float, default=0.0,
+                        help="clip the gradients by this global norm before applying them")
     args = parser.parse_args()
 
     if args.builder == "AutoStrategy":  # a small search: trials time 1 + 2 of this job's steps
@@ -153,7 +167,7 @@ def main() -> None:
         return
     with tf.Graph().as_default(), ad.scope():
         inputs, loss, train, variables = build_model(extra_op=args.mismatch and not ad.is_chief,
-                                                     optimizer=args.optimizer)
+                                                     optimizer=args.optimizer, clip=args.clip)
         saver = Saver()
         sess = ad.create_distributed_session()
         if args.restore:

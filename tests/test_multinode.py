@@ -23,6 +23,7 @@ pytestmark = [pytest.mark.multinode, clusters.needs_root]
 
 JOB = os.path.join(os.path.dirname(__file__), "cluster_job.py")
 STEPS = 3
+CLIP = 0.3  # below the model's gradient norm at every step: clipping binds
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +89,19 @@ def test_accumulated_gradients_equal_one_device_on_the_concatenated_batches(
         np.testing.assert_allclose(got[f"arr_{i}"], expected, rtol=1e-5, atol=1e-5)
     for node in range(2):
         assert f"node {node} step {runs - 1} loss" in done.stdout
+    _assert_no_job_left()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("builder", ["PS", "PartitionedPS", "AllReduce"])
+def test_clipping_by_global_norm_acts_on_the_averaged_gradients(two_nodes, tmp_path, builder):
+    cluster, spec = two_nodes
+    out = tmp_path / "variables.npz"
+    done = _run_job(cluster, spec, builder, out, "--clip", str(CLIP))
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = np.load(out)
+    for i, expected in enumerate(cluster_job.reference(2, STEPS, clip=CLIP)):
+        np.testing.assert_allclose(got[f"arr_{i}"], expected, rtol=1e-5, atol=1e-5)
     _assert_no_job_left()
 
 

@@ -109,6 +109,12 @@ class KerasOptimizerCall:
         self.nodes = {node.name: node for node in self.update_graph_def.node}
         self.stages = self._cut()
 
+    @property
+    def raw_gradients(self) -> dict:
+        """Always empty: Keras processes gradients inside its update (``clipnorm``...),
+        which ``KerasUpdate`` runs on the averaged gradient."""
+        return {}
+
     def slot_names(self) -> dict:
         """Original slot name -> (its variable's name, slot key)."""
         return {slot: (name, slot) for name, slots in self.stages.slots.items()

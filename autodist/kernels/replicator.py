@@ -21,7 +21,7 @@ _PLACEMENT_ATTRS = ("_class",)
 _VARIABLE_OPS = ("VarHandleOp",)
 
 
-def _subgraph(item: GraphItem, names: set, external: dict, deferred: list,
+def subgraph_def(item: GraphItem, names: set, external: dict, deferred: list,
               device_for=lambda node: "", with_library: bool = True):
     """GraphDef of the ``names`` nodes, ready to import.
 
@@ -75,7 +75,7 @@ def import_shared(item: GraphItem, ctx: KernelContext, deferred: list) -> None:
         return ctx.shared_device
 
     external = {}
-    graph_def = _subgraph(item, item.shared, external, deferred, device_for)
+    graph_def = subgraph_def(item, item.shared, external, deferred, device_for)
     if external:
         raise NotImplementedError(
             f"Ops outside the model read {sorted(external)}, which AutoDist recreates per "
@@ -113,7 +113,7 @@ def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
     external = {}
     local_deferred = []
     # The library came with the shared import; each copy only adds its ops.
-    graph_def = _subgraph(item, item.replicated, external, local_deferred, with_library=False)
+    graph_def = subgraph_def(item, item.replicated, external, local_deferred, with_library=False)
     merged = _defer_shared_assigns(item, graph_def)
     assigned = {name: [] for name in merged}
     copied = {node.name for node in graph_def.node}

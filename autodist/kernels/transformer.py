@@ -8,10 +8,12 @@ The stages, each owned by one kernel module:
                                  partitioned variables re-stitched per replica
 3. replicator.replicate          the model once per local replica; state the
                                  forward pass assigns merged into one write
-4. accumulator, synchronizer kinds
+4. accumulator, synchronizer kinds, gradient_processing
                                  gradients weighted by each replica's rows (and
-                                 accumulated over runs), cut per part, then
-                                 reduced by each part's kind
+                                 accumulated over runs), cut per part, reduced
+                                 by each part's kind, then processed as the user
+                                 did between compute_gradients and
+                                 apply_gradients
 5. update                        each optimizer call of the graph
                                  (``item.optimizer_calls``) recreated for every
                                  stored copy of its variables; then each kind's
@@ -34,7 +36,7 @@ import tensorflow as tf
 from autodist import _tf_compat
 from autodist.graph_item import GraphItem, PartUpdate
 from autodist.kernel_context import KernelContext, replica_scope
-from autodist.kernels import partitioner, replicator
+from autodist.kernels import gradient_processing, partitioner, replicator
 from autodist.kernels.accumulator import Accumulation
 from autodist.strategy.compiler import CompiledStrategy, CompiledVariable
 from autodist.synchronizers import KINDS
@@ -147,6 +149,8 @@ def transform(item: GraphItem, compiled: CompiledStrategy, ctx: KernelContext) -
         for index, synchronizers in enumerate(per_call):
             accumulation = Accumulation(item.accumulation_steps)
             reduced = _synchronize(result, index, synchronizers, accumulation)
+            if index in item.processing:
+                reduced = gradient_processing.process(item, index, reduced, ctx)
             update = UpdateOps(train_op=None)
             update.train_op, update.remote_step_op, foreign_here = _apply_updates(
                 item, item.optimizer_calls[index], reduced, list(synchronizers.values()),
