@@ -472,24 +472,42 @@ def _restore_error(graph, sess, saver, path) -> str:
     return str(info.value)
 
 
-@pytest.mark.parametrize("damage, cause", [
-    ("delete data", "a file or directory is missing"),
-    ("truncate data", "corrupt or cut short"),
-    ("garble index", "cannot read"),
-])
-def test_a_damaged_checkpoint_is_named_with_its_cause(tmp_path, damage, cause):
+def _garble(file: str) -> None:
+    """Inverts 64 bytes in the middle of ``file``; its length stays."""
+    with open(file, "r+b") as target:
+        target.seek(os.path.getsize(file) // 2)
+        bytes_ = target.read(64)
+        target.seek(-len(bytes_), os.SEEK_CUR)
+        target.write(bytes(b ^ 0xFF for b in bytes_))
+
+
+def _truncate(file: str) -> None:
+    with open(file, "r+b") as target:
+        target.truncate(os.path.getsize(file) // 2)
+
+
+# What is done to which file of the checkpoint, and what the error must say of it
+# ({data} and {index} stand for the files' paths).
+DAMAGES = {
+    "data deleted": ("data", os.unlink, "its data file '{data}' is missing"),
+    "data truncated": ("data", _truncate, "the files are cut short"),
+    "data garbled": ("data", _garble, "the files are corrupt (TensorBundle at"),
+    "index deleted": ("index", os.unlink, "its .index file is missing"),
+    "index truncated": ("index", _truncate, "its index file '{index}' is corrupt or cut short"),
+    "index garbled": ("index", _garble, "its index file '{index}' is corrupt or cut short"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_damaged_checkpoint_is_named_with_its_cause(tmp_path, damage):
     graph, sess, saver, path = _saved_once(tmp_path)
-    data, index = f"{path}.data-00000-of-00001", f"{path}.index"
-    if damage == "delete data":
-        os.unlink(data)
-    elif damage == "truncate data":
-        with open(data, "r+b") as target:
-            target.truncate(os.path.getsize(data) // 2)
-    else:
-        with open(index, "r+b") as target:
-            target.seek(0)
-            target.write(b"\xff" * 64)
-    assert cause in _restore_error(graph, sess, saver, path)
+    files = {"data": f"{path}.data-00000-of-00001", "index": f"{path}.index"}
+    target, spoil, cause = DAMAGES[damage]
+    spoil(files[target])
+    message = _restore_error(graph, sess, saver, path)
+    assert cause.format(**files) in message, message
+    if damage == "data garbled":
+        assert "Checksum does not match" in message, message
     sess.close()
 
 
