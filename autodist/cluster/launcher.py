@@ -126,10 +126,14 @@ def read_secrets(timeout: float = 60.0) -> dict:
     Raises:
         LaunchError: when they do not arrive within ``timeout`` seconds (a launch
             prefix that does not pass standard input on, e.g. ``kubectl exec``
-            without ``-i``).
+            without ``-i``), or when ``AUTODIST_SECRETS_ON_STDIN`` is neither unset nor 1.
     """
-    if os.environ.get(SECRETS_ON_STDIN_ENV) != "1":
+    flag = os.environ.get(SECRETS_ON_STDIN_ENV)
+    if flag is None:
         return {}
+    if flag != "1":
+        raise LaunchError(f"{SECRETS_ON_STDIN_ENV}={flag[:40]!r} is not 1: the chief sets it "
+                          "to 1 for the workers it launches; unset it otherwise.")
     ready, _, _ = select.select([sys.stdin], [], [], timeout)
     line = sys.stdin.readline() if ready else ""
     try:
