@@ -7,6 +7,7 @@ training must equal single-device training on the whole global batch, which
 
     python cluster_job.py SPEC BUILDER OUT [--steps N] [--die-at STEP] [--mismatch]
                           [--restore CHECKPOINT] [--save CHECKPOINT] [--optimizer NAME]
+                          [--token-file PATH]
 """
 import argparse
 import os
@@ -106,7 +107,18 @@ def main() -> None:
     parser.add_argument("--restore", help="checkpoint to start from")
     parser.add_argument("--save", help="checkpoint to write after training")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
+    parser.add_argument("--token-file", help="the chief writes the job's token here")
     args = parser.parse_args()
+    if args.token_file:  # for the test that looks for the token in every command line
+        from autodist.cluster import runtime
+        make_token = runtime.new_token
+
+        def recorded_token():
+            token = make_token()
+            with open(args.token_file, "w") as f:
+                f.write(token)
+            return token
+        runtime.new_token = recorded_token
 
     if args.builder == "AutoStrategy":  # a small search: trials time 1 + 2 of this job's steps
         from autodist.search import AutoStrategy
