@@ -334,9 +334,8 @@ class ChiefCoordinator:
             workers = list(self._workers)
         try:
             for worker in workers:
-                code = worker.exit_code()
-                if code not in (None, 0):
-                    raise WorkerFailedError(worker.node, f"its process exited with code {code}.")
+                if worker.exit_code() not in (None, 0):
+                    raise WorkerFailedError(worker.node, worker.failure())
             self._server.check_workers()
         except ServiceError:
             self._failed = True
