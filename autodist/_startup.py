@@ -37,8 +37,16 @@ def is_cpp_log_line(line: str) -> bool:
 
 
 def install() -> None:
-    """Quiets the first import of TensorFlow and Keras, unless ``AUTODIST_TF_LOGS=1``."""
-    if os.environ.get(LOGS_ENV) == "1":
+    """Quiets the first import of TensorFlow and Keras, unless ``AUTODIST_TF_LOGS=1``.
+
+    Raises:
+        ValueError: when ``AUTODIST_TF_LOGS`` is set to anything but 0 or 1.
+    """
+    logs = os.environ.get(LOGS_ENV, "").strip()
+    if logs not in ("", "0", "1"):
+        raise ValueError(f"{LOGS_ENV}={logs[:40]!r} is neither 0 nor 1: set it to 1 to keep "
+                         "TensorFlow's start-up logs, or unset it.")
+    if logs == "1":
         return
     # 3: oneDNN logs notices as errors at run time; TensorFlow's real errors
     # reach the user as Python exceptions.

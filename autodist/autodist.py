@@ -96,6 +96,7 @@ class AutoDist:
         self._builder = strategy_builder
         self._role = runtime.current_role(self._resource_spec)
         runtime.check_this_node(self._resource_spec, self._role)
+        self._threads = [_threads(name) for name in THREADS_ENV]  # bad counts refused here
         self._optimizer_calls = []
         self._strategy: Optional[Strategy] = None
         self._joined = False  # a cluster job runs one graph
@@ -271,7 +272,7 @@ class AutoDist:
     def _config(self, user_config) -> tf.compat.v1.ConfigProto:
         cpus = max(self._resource_spec.node(self._role.address).cpus) + 1
         config = tf.compat.v1.ConfigProto(device_count={"CPU": cpus}, allow_soft_placement=True)
-        intra, inter = (_threads(name) for name in THREADS_ENV)
+        intra, inter = self._threads
         if intra:
             config.intra_op_parallelism_threads = intra
         if inter:
@@ -290,7 +291,10 @@ def _threads(name: str) -> Optional[int]:
     text = os.environ.get(name, "").strip()
     if not text:
         return None
-    count = int(text) if text.isdigit() else 0
+    try:
+        count = int(text)
+    except ValueError:  # not a number; isdigit() passed "²" and 5000 digits, which int() refuses
+        count = 0
     if not 1 <= count <= 1024:
         raise ValueError(f"{name}={text[:40]!r} is not a thread count: set it to an integer "
                          "from 1 to 1024, or unset it to let TensorFlow choose.")

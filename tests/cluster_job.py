@@ -16,6 +16,7 @@ variable by name.
     python cluster_job.py SPEC BUILDER OUT [--steps N] [--die-at STEP] [--mismatch]
                           [--restore CHECKPOINT] [--save CHECKPOINT] [--optimizer NAME]
                           [--accumulation-steps K] [--gan] [--clip NORM]
+                          [--token-file PATH]
 """
 import argparse
 import os
@@ -144,7 +145,18 @@ def main() -> None:
     parser.add_argument("--gan", action="store_true", help="train models.gan's two train ops")
     parser.add_argument("--clip", type=float, default=0.0,
                         help="clip the gradients by this global norm before applying them")
+    parser.add_argument("--token-file", help="the chief writes the job's token here")
     args = parser.parse_args()
+    if args.token_file:  # for the test that looks for the token in every command line
+        from autodist.cluster import runtime
+        make_token = runtime.new_token
+
+        def recorded_token():
+            token = make_token()
+            with open(args.token_file, "w") as f:
+                f.write(token)
+            return token
+        runtime.new_token = recorded_token
 
     if args.builder == "AutoStrategy":  # a small search: trials time 1 + 2 of this job's steps
         from autodist.search import AutoStrategy

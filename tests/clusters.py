@@ -21,6 +21,11 @@ def emulated(tmp_path_factory, name: str, cpus: list):
         yield cluster, str(spec)
 
 
+def processes_running(script: str) -> list:
+    """The ids of the processes whose command line contains ``script``."""
+    return subprocess.run(["pgrep", "-f", script], capture_output=True, text=True).stdout.split()
+
+
 def assert_no_process_left(script: str) -> None:
-    left = subprocess.run(["pgrep", "-f", script], capture_output=True, text=True).stdout.split()
+    left = processes_running(script)
     assert not left, f"job processes left behind: {left}"

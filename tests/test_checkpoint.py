@@ -291,44 +291,98 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(spec_path, tmp_path
 
 SAVE_JOB = os.path.join(os.path.dirname(__file__), "checkpoint_save_job.py")
 REPO = os.path.join(os.path.dirname(__file__), "..")
-# The files of checkpoint_save_job.py's second save, in the order they get their
-# final names, and which rename to that name is the second save's.
-SECOND_SAVE_FILES = {"data": ("model-2.data-00000-of-00001", 1), "index": ("model-2.index", 1),
+# The files of checkpoint_save_job.py's second save: what their paths contain
+# (temporary and final names alike), and which file of that name is the second
+# save's (the state file is written by the first save too).
+SECOND_SAVE_FILES = {"data": ("model-2.data", 1), "index": ("model-2.index", 1),
                      "meta": ("model-2.meta", 1), "state": ("/checkpoint", 2)}
-# Kills the process as it is about to give a file its final name (the file is
-# written, under its temporary name): the last moment a crash can hit that file.
-_KILL_AT_RENAME = r"""
+# Kills the process at the KILL_COUNT-th file whose path contains KILL_FILE:
+# KILL_AT=write half-way through the first write to it (its temporary file holds
+# part of its bytes), KILL_AT=rename as it is about to get its final name (it is
+# written in full under its temporary name). TensorFlow writes files with
+# fwrite, Python with write.
+_KILL_INJECTOR = r"""
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <pthread.h>
 #include <signal.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
-static int seen;
+static int renames, files;
+static char last[4096];
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static int armed(const char *moment) {
+    const char *at = getenv("KILL_AT");
+    return at && getenv("KILL_FILE") && strcmp(at, moment) == 0;
+}
+static int wanted(void) {
+    const char *count = getenv("KILL_COUNT");
+    return atoi(count ? count : "1");
+}
 int rename(const char *old_path, const char *new_path) {
-    const char *name = getenv("KILL_AT_RENAME_TO");
-    const char *count = getenv("KILL_AT_RENAME_COUNT");
-    if (name && new_path && strstr(new_path, name)
-            && __atomic_add_fetch(&seen, 1, __ATOMIC_SEQ_CST) == atoi(count ? count : "1"))
+    if (armed("rename") && new_path && strstr(new_path, getenv("KILL_FILE"))
+            && __atomic_add_fetch(&renames, 1, __ATOMIC_SEQ_CST) == wanted())
         kill(getpid(), SIGKILL);
     int (*real)(const char *, const char *) =
         (int (*)(const char *, const char *))dlsym(RTLD_NEXT, "rename");
     return real(old_path, new_path);
 }
+/* Whether a write to fd is the first to the file to die in. */
+static int dies_writing(int fd) {
+    char link[64], path[4096];
+    if (!armed("write") || fd < 0)
+        return 0;
+    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    ssize_t length = readlink(link, path, sizeof path - 1);
+    if (length < 0)
+        return 0;
+    path[length] = 0;
+    if (!strstr(path, getenv("KILL_FILE")))
+        return 0;
+    int dies = 0;
+    pthread_mutex_lock(&lock);
+    if (strcmp(path, last) != 0) {
+        strcpy(last, path);
+        dies = ++files == wanted();
+    }
+    pthread_mutex_unlock(&lock);
+    return dies;
+}
+ssize_t write(int fd, const void *data, size_t size) {
+    ssize_t (*real)(int, const void *, size_t) =
+        (ssize_t (*)(int, const void *, size_t))dlsym(RTLD_NEXT, "write");
+    if (dies_writing(fd)) {
+        real(fd, data, size / 2);
+        kill(getpid(), SIGKILL);
+    }
+    return real(fd, data, size);
+}
+size_t fwrite(const void *data, size_t size, size_t items, FILE *stream) {
+    size_t (*real)(const void *, size_t, size_t, FILE *) =
+        (size_t (*)(const void *, size_t, size_t, FILE *))dlsym(RTLD_NEXT, "fwrite");
+    if (dies_writing(fileno(stream))) {
+        real(data, 1, size * items / 2, stream);
+        fflush(stream);
+        kill(getpid(), SIGKILL);
+    }
+    return real(data, size, items, stream);
+}
 """
 
 
 @pytest.fixture(scope="module")
-def kill_at_rename(tmp_path_factory) -> str:
-    """A preload library killing the process at a chosen rename (needs a C compiler)."""
+def kill_injector(tmp_path_factory) -> str:
+    """A preload library killing the process in a chosen file (needs a C compiler)."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler to build the crash injector")
     directory = tmp_path_factory.mktemp("inject")
-    (directory / "kill_at_rename.c").write_text(_KILL_AT_RENAME)
-    library = directory / "kill_at_rename.so"
+    (directory / "kill_injector.c").write_text(_KILL_INJECTOR)
+    library = directory / "kill_injector.so"
     subprocess.run([compiler, "-shared", "-fPIC", "-o", str(library),
-                    str(directory / "kill_at_rename.c"), "-ldl"], check=True)
+                    str(directory / "kill_injector.c"), "-ldl", "-lpthread"], check=True)
     return str(library)
 
 
@@ -342,13 +396,16 @@ def _run_save_job(directory, **env) -> subprocess.CompletedProcess:
                           text=True, timeout=100, env=dict(os.environ, **env), cwd=REPO)
 
 
-def _killed_in_second_save(directory, library: str, file: str) -> subprocess.CompletedProcess:
+def _killed_in_second_save(directory, library: str, file: str, moment: str) -> None:
+    """Runs checkpoint_save_job.py, killed at ``moment`` of ``file`` of its second save."""
     name, count = SECOND_SAVE_FILES[file]
-    done = _run_save_job(directory, LD_PRELOAD=library, KILL_AT_RENAME_TO=name,
-                         KILL_AT_RENAME_COUNT=str(count))
+    done = _run_save_job(directory, LD_PRELOAD=library, KILL_AT=moment, KILL_FILE=name,
+                         KILL_COUNT=str(count))
     assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
     assert "saving 2" in done.stdout and "saved 2" not in done.stdout
-    return done
+    # It died in that file: its temporary is left, under the name it was written as.
+    left = _leftovers(directory)
+    assert [n for n in left if n.startswith(name.lstrip("/"))], (left, os.listdir(directory))
 
 
 def _restored_plainly(path: str) -> dict:
@@ -361,48 +418,36 @@ def _restored_plainly(path: str) -> dict:
             return {name: sess.run(variables[name]) for name in ("table", "w")}
 
 
+def _restored_by_autodist(path: str) -> dict:
+    """The checkpoint's variables, restored by AutoDist's Saver under another strategy."""
+    import checkpoint_save_job as job
+    ad = AutoDist(os.path.join(REPO, "configs", "local_2cpu.yml"), AllReduce())
+    with tf.Graph().as_default(), ad.scope():
+        _, _, variables = job.build()
+        saver = Saver()
+        with ad.create_distributed_session() as sess:
+            saver.restore(sess, path)
+            return dict(zip(("table", "w"), sess.run(variables)))
+
+
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("moment", ["write", "rename"])
 @pytest.mark.parametrize("file", list(SECOND_SAVE_FILES))
-def test_a_save_killed_at_any_file_leaves_the_previous_checkpoint(tmp_path, kill_at_rename,
-                                                                  file):
-    _killed_in_second_save(tmp_path, kill_at_rename, file)
-    assert _leftovers(tmp_path), "the killed save left no temporary file: was it killed?"
+def test_a_save_killed_in_any_file_leaves_the_previous_checkpoint_restorable(
+        tmp_path, kill_injector, file, moment):
+    _killed_in_second_save(tmp_path, kill_injector, file, moment)
     path = latest_checkpoint(str(tmp_path))
     assert path == str(tmp_path / "model-1")
-    restored = _restored_plainly(path)
-    assert restored["w"].shape == (8, 256) and restored["table"].shape == (4000, 256)
+    saved = checkpoint_values(path)
+    assert not np.all(saved["w"] == 1.0)  # trained for a step: not the initial values
+    for restored in (_restored_plainly(path), _restored_by_autodist(path)):
+        for name in ("table", "w"):
+            np.testing.assert_array_equal(restored[name], saved[name], err_msg=name)
     # The next save removes what the killed one left, and writes both checkpoints again.
     again = _run_save_job(tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
     assert _leftovers(tmp_path) == []
     assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "model-2")
-
-
-@pytest.mark.timeout(300)
-def test_the_checkpoint_before_a_killed_save_restores_under_autodist(tmp_path, kill_at_rename):
-    _killed_in_second_save(tmp_path, kill_at_rename, "state")
-    code = textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
-        import checkpoint_save_job as job
-        import tensorflow as tf
-        from autodist import AutoDist
-        from autodist.checkpoint import Saver, latest_checkpoint
-        from autodist.strategy import AllReduce
-        ad = AutoDist("configs/local_2cpu.yml", AllReduce())
-        with tf.Graph().as_default(), ad.scope():
-            x, train, variables = job.build()
-            saver = Saver()
-            sess = ad.create_distributed_session()
-            saver.restore(sess, latest_checkpoint({str(tmp_path)!r}))
-            print(repr(float(sess.run(variables[1])[0, 0])))
-        """)
-    restored = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=100, cwd=REPO)
-    assert restored.returncode == 0, restored.stderr[-2000:]
-    plain = _restored_plainly(str(tmp_path / "model-1"))
-    assert float(restored.stdout.split()[-1]) == float(plain["w"][0, 0])
-
 
 
 # --- Checkpoint errors name the path and the cause ------------------------------------------------
@@ -427,24 +472,42 @@ def _restore_error(graph, sess, saver, path) -> str:
     return str(info.value)
 
 
-@pytest.mark.parametrize("damage, cause", [
-    ("delete data", "a file or directory is missing"),
-    ("truncate data", "corrupt or cut short"),
-    ("garble index", "cannot read"),
-])
-def test_a_damaged_checkpoint_is_named_with_its_cause(tmp_path, damage, cause):
+def _garble(file: str) -> None:
+    """Inverts 64 bytes in the middle of ``file``; its length stays."""
+    with open(file, "r+b") as target:
+        target.seek(os.path.getsize(file) // 2)
+        bytes_ = target.read(64)
+        target.seek(-len(bytes_), os.SEEK_CUR)
+        target.write(bytes(b ^ 0xFF for b in bytes_))
+
+
+def _truncate(file: str) -> None:
+    with open(file, "r+b") as target:
+        target.truncate(os.path.getsize(file) // 2)
+
+
+# What is done to which file of the checkpoint, and what the error must say of it
+# ({data} and {index} stand for the files' paths).
+DAMAGES = {
+    "data deleted": ("data", os.unlink, "its data file '{data}' is missing"),
+    "data truncated": ("data", _truncate, "the files are cut short"),
+    "data garbled": ("data", _garble, "the files are corrupt (TensorBundle at"),
+    "index deleted": ("index", os.unlink, "its .index file is missing"),
+    "index truncated": ("index", _truncate, "its index file '{index}' is corrupt or cut short"),
+    "index garbled": ("index", _garble, "its index file '{index}' is corrupt or cut short"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_damaged_checkpoint_is_named_with_its_cause(tmp_path, damage):
     graph, sess, saver, path = _saved_once(tmp_path)
-    data, index = f"{path}.data-00000-of-00001", f"{path}.index"
-    if damage == "delete data":
-        os.unlink(data)
-    elif damage == "truncate data":
-        with open(data, "r+b") as target:
-            target.truncate(os.path.getsize(data) // 2)
-    else:
-        with open(index, "r+b") as target:
-            target.seek(0)
-            target.write(b"\xff" * 64)
-    assert cause in _restore_error(graph, sess, saver, path)
+    files = {"data": f"{path}.data-00000-of-00001", "index": f"{path}.index"}
+    target, spoil, cause = DAMAGES[damage]
+    spoil(files[target])
+    message = _restore_error(graph, sess, saver, path)
+    assert cause.format(**files) in message, message
+    if damage == "data garbled":
+        assert "Checksum does not match" in message, message
     sess.close()
 
 

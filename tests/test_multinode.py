@@ -263,12 +263,13 @@ def test_a_node_that_cannot_be_started_is_named(two_nodes, tmp_path):
 
 
 def _signal_chief_while_training(cluster, spec, tmp_path, builder, signum,
-                                 while_training=None) -> int:
+                                 while_training=None, extra=()) -> int:
     """Starts a long job, waits until both nodes train, signals the chief; its exit code.
 
     The chief's standard error goes to ``tmp_path / "chief.err"``, the monotonic
-    time of the signal to ``tmp_path / "signalled_at"``. ``while_training()``, if
-    given, runs once both nodes train, before the signal.
+    time just before the signal to ``tmp_path / "signalled_at"``. ``while_training()``,
+    if given, runs once both nodes train, before the signal. ``extra``: more
+    arguments of cluster_job.py.
     """
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     # A process started in the background by a non-interactive shell ignores SIGINT,
@@ -277,7 +278,8 @@ def _signal_chief_while_training(cluster, spec, tmp_path, builder, signum,
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         chief = subprocess.Popen([*cluster.hosts[0].launch_prefix, sys.executable, "-u", JOB,
-                                  spec, builder, str(tmp_path / "v.npz"), "--steps", "100000"],
+                                  spec, builder, str(tmp_path / "v.npz"), "--steps", "100000",
+                                  *extra],
                                  stdout=subprocess.PIPE, stderr=open(tmp_path / "chief.err", "w"),
                                  text=True, env=env)
     finally:
@@ -292,8 +294,9 @@ def _signal_chief_while_training(cluster, spec, tmp_path, builder, signum,
         assert seen == {"0", "1"}
         if while_training is not None:
             while_training()
+        signalled = time.monotonic()
         chief.send_signal(signum)
-        (tmp_path / "signalled_at").write_text(repr(time.monotonic()))
+        (tmp_path / "signalled_at").write_text(repr(signalled))
         return chief.wait(timeout=60)
     finally:
         if chief.poll() is None:
@@ -356,42 +359,74 @@ def test_a_partition_between_two_workers_is_named_not_a_hang(three_nodes, tmp_pa
     _assert_no_job_left()
 
 
-@pytest.mark.timeout(180)
-def test_the_job_token_is_on_no_command_line(two_nodes, tmp_path):
-    """Any user of a node sees every process's command line; the token must not be there."""
-    from autodist.cluster.service import TOKEN_ENV
-    command_lines = []
+def _read_proc(pid: str, name: str) -> str:
+    """/proc/PID/NAME with its NUL separators as spaces; "" once the process has ended."""
+    try:
+        with open(f"/proc/{pid}/{name}", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("wrapper", [[], ["timeout", "600"]], ids=["netns", "timeout-netns"])
+def test_the_job_token_is_on_no_command_line(two_nodes, tmp_path, wrapper):
+    """Any user of a node sees every process's command line; the token must not be there.
+
+    A launch prefix other than a plain ``ip netns exec`` (here ``timeout 600``
+    before it) stays a process whose command line holds the worker's command.
+    The token reaches the worker on its standard input, not in its environment.
+    """
+    import yaml
+    cluster, spec = two_nodes
+    wrapped = yaml.safe_load(open(spec))
+    wrapped["nodes"][1]["launch_prefix"] = wrapper + wrapped["nodes"][1]["launch_prefix"]
+    (tmp_path / "spec.yml").write_text(yaml.safe_dump(wrapped))
+    token_file = tmp_path / "token"
+    seen = {}
 
     def look():
+        seen["token"] = token_file.read_text()
         # /proc rather than ps: ps cuts long lines to the terminal's width (COLUMNS).
-        for cmdline in glob.glob("/proc/[0-9]*/cmdline"):
-            try:
-                with open(cmdline, "rb") as f:
-                    line = f.read().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:  # the process ended meanwhile
-                continue
-            if JOB in line:
-                command_lines.append(line)
+        pids = [path.split("/")[2] for path in glob.glob("/proc/[0-9]*/cmdline")]
+        seen["command lines"] = {pid: _read_proc(pid, "cmdline") for pid in pids}
+        seen["environments"] = {pid: _read_proc(pid, "environ") for pid, line
+                                in seen["command lines"].items() if JOB in line}
 
-    _signal_chief_while_training(*two_nodes, tmp_path, "PS", signal.SIGINT, while_training=look)
-    assert len(command_lines) >= 2  # the chief and the worker
-    assert not [line for line in command_lines if TOKEN_ENV in line], command_lines
+    _signal_chief_while_training(cluster, str(tmp_path / "spec.yml"), tmp_path, "PS",
+                                 signal.SIGINT, while_training=look,
+                                 extra=["--token-file", str(token_file)])
+    token, lines, environments = seen["token"], seen["command lines"], seen["environments"]
+    assert len(token) == 32
+    assert not [line for line in lines.values() if token in line]
+    assert not [env for env in environments.values() if token in env]
+    pythons = [pid for pid in environments if lines[pid].startswith(sys.executable)]
+    assert len(pythons) == 2  # the chief and the worker
+    if wrapper:
+        assert [line for line in lines.values()
+                if line.startswith("timeout 600 ip netns exec") and JOB in line]
+    worker = [pid for pid in pythons if "AUTODIST_WORKER=" in environments[pid]]
+    assert len(worker) == 1 and "AUTODIST_SECRETS_ON_STDIN=1" in environments[worker[0]]
     _assert_no_job_left()
 
 
 @pytest.mark.timeout(180)
 def test_sigterm_on_the_chief_stops_the_job_at_once_and_says_so(two_nodes, tmp_path):
-    """SIGTERM is what kill, Slurm and Kubernetes send: it must not leave workers behind."""
+    """SIGTERM is what kill, Slurm and Kubernetes send: it must not leave workers behind.
+
+    Every job process, the chief included, is gone within 5 s of the signal.
+    """
     code = _signal_chief_while_training(*two_nodes, tmp_path, "AllReduce", signal.SIGTERM)
     signalled = float((tmp_path / "signalled_at").read_text())
     assert code == 128 + signal.SIGTERM
     assert "the chief received SIGTERM; stopped the job" in (tmp_path / "chief.err").read_text()
-    while time.monotonic() - signalled < 5:
-        left = subprocess.run(["pgrep", "-f", JOB], capture_output=True, text=True).stdout
-        if not left.split():
+    while True:
+        left = clusters.processes_running(JOB)
+        after = time.monotonic() - signalled  # the processes were looked at before this
+        if not left or after > 5:
             break
         time.sleep(0.2)
-    _assert_no_job_left()
+    assert not left and after <= 5, f"job processes {left} {after:.1f} s after SIGTERM"
 
 
 @pytest.mark.timeout(180)

@@ -59,18 +59,72 @@ def test_a_bad_tf_port_is_named(tmp_path, monkeypatch, value):
     assert f"AUTODIST_TF_PORT={value!r} is not a port" in message
 
 
-@pytest.mark.parametrize("value", ["two", "0", "99999"])
-def test_a_bad_thread_count_is_named(spec_path, monkeypatch, value):
-    import tensorflow as tf
-    monkeypatch.setenv("AUTODIST_INTRA_OP_THREADS", value)
-    ad = AutoDist(spec_path, AllReduce())
-    with tf.Graph().as_default(), ad.scope():
-        x = tf.compat.v1.placeholder(tf.float32, [None, 2])
-        w = tf.Variable(tf.ones([2, 1]))
-        tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(tf.matmul(x, w)))
-        with pytest.raises(ValueError, match=f"AUTODIST_INTRA_OP_THREADS={value!r} is not a "
-                                             "thread count"):
-            ad.create_distributed_session()
+@pytest.mark.parametrize("value", ["two", "0", "99999", "\u00b2",
+                                   pytest.param("9" * 5000, id="long")])
+@pytest.mark.parametrize("name", ["AUTODIST_INTRA_OP_THREADS", "AUTODIST_INTER_OP_THREADS"])
+def test_a_bad_thread_count_is_named(spec_path, monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    message = _refusal(spec_path, ValueError)
+    assert f"{name}={value[:40]!r} is not a thread count" in message
+    assert len(message) < 300
+
+
+# The environment a chief gives the worker it launches on node 10.123.0.9.
+WORKER_ENV = {"AUTODIST_WORKER": "10.123.0.9", "AUTODIST_CHIEF": "localhost",
+              "AUTODIST_SERVICE_PORT": "4321"}
+
+
+def _two_nodes(tmp_path) -> str:
+    return _spec(tmp_path, [{"address": "localhost", "chief": True}, {"address": "10.123.0.9"}])
+
+
+def _set_env(monkeypatch, env: dict) -> None:
+    for name, value in env.items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+
+
+def test_a_worker_started_by_its_chief_knows_where_the_chief_serves(tmp_path, monkeypatch):
+    _set_env(monkeypatch, WORKER_ENV)
+    spec = _two_nodes(tmp_path)
+    ad = AutoDist(spec, AllReduce())
+    assert (ad.is_chief, ad.node_index) == (False, 1)
+    assert runtime.current_role(ad.resource_spec).service == ("localhost", 4321)
+
+
+@pytest.mark.parametrize("changed, named", [
+    ({"AUTODIST_WORKER": "10.9.9.9"}, "AUTODIST_WORKER='10.9.9.9' is not a node of the resource"),
+    ({"AUTODIST_WORKER": "h" * 5000}, f"AUTODIST_WORKER='{'h' * 100}' is not a node"),
+    ({"AUTODIST_CHIEF": None}, "AUTODIST_CHIEF is not set"),
+    ({"AUTODIST_CHIEF": "10.9.9.9"}, "AUTODIST_CHIEF='10.9.9.9' is not the chief of the resource"),
+    ({"AUTODIST_CHIEF": "c" * 5000}, f"AUTODIST_CHIEF='{'c' * 100}' is not the chief"),
+    ({"AUTODIST_SERVICE_PORT": None}, "AUTODIST_SERVICE_PORT is not set"),
+    ({"AUTODIST_SERVICE_PORT": "abc"}, "AUTODIST_SERVICE_PORT='abc' is not a port"),
+    ({"AUTODIST_SERVICE_PORT": "70000"}, "AUTODIST_SERVICE_PORT='70000' is not a port"),
+    ({"AUTODIST_SERVICE_PORT": "9" * 5000}, f"AUTODIST_SERVICE_PORT='{'9' * 40}' is not a port"),
+])
+def test_a_bad_worker_environment_is_named(tmp_path, monkeypatch, changed, named):
+    _set_env(monkeypatch, {**WORKER_ENV, **changed})
+    message = _refusal(_two_nodes(tmp_path), ValueError)
+    assert named in message, message
+    assert len(message) < 1000
+
+
+def test_a_bad_secrets_flag_is_named(monkeypatch):
+    from autodist.cluster import launcher
+    monkeypatch.setenv(launcher.SECRETS_ON_STDIN_ENV, "yes")
+    with pytest.raises(launcher.LaunchError, match="AUTODIST_SECRETS_ON_STDIN='yes' is not 1"):
+        launcher.read_secrets(timeout=0.1)
+
+
+@pytest.mark.parametrize("value", ["yes", "true", "2"])
+def test_a_bad_tf_logs_switch_is_named(monkeypatch, value):
+    from autodist import _startup
+    monkeypatch.setenv(_startup.LOGS_ENV, value)
+    with pytest.raises(ValueError, match=f"AUTODIST_TF_LOGS={value!r} is neither 0 nor 1"):
+        _startup.install()
 
 
 def test_a_nodes_process_wide_handlers_are_restored_after_its_job():

@@ -3,7 +3,7 @@
 The chief (in the first namespace) reaches the second node through ssh, as it
 would a remote machine, with the spec's ``ssh:`` entry; the worker trains and
 the job equals single-device training. A key the node does not accept is an
-error naming the node, not a hang.
+error naming the node and what ssh said, not a hang.
 """
 import os
 import shutil
@@ -114,5 +114,8 @@ def test_a_key_the_node_refuses_is_named(ssh_cluster, tmp_path):
     done = _run(cluster, _spec(tmp_path, cluster, keys / "other_key"), tmp_path / "v.npz")
     assert done.returncode != 0
     assert time.monotonic() - start < 90
-    assert f"Worker node '{cluster.hosts[1].address}' failed" in done.stderr, done.stderr[-3000:]
+    error = done.stderr.strip().splitlines()[-1]  # the error, after its traceback
+    assert error.startswith("autodist.cluster.service.WorkerFailedError: Worker node "
+                            f"'{cluster.hosts[1].address}' failed"), done.stderr[-3000:]
+    assert "ssh could not run its process" in error and "Permission denied (publickey)" in error
     clusters.assert_no_process_left(JOB)

@@ -197,27 +197,53 @@ def test_trial_settings_refuse_fewer_than_one_step(field):
         trial.TrialSettings(**{"strategy": "s", "result": "r", field: 0})
 
 
-def test_a_trials_workers_reached_over_ssh_get_its_settings_and_spec(monkeypatch):
+def test_a_trials_workers_reached_over_ssh_get_its_settings_and_spec(monkeypatch, tmp_path):
     # ssh passes no environment on: without these the worker would run the
     # script's own spec and builder.
     from autodist.cluster import launcher
-    monkeypatch.setenv(trial.SPEC_ENV, "/jobs/search.yml")
+    search_spec = tmp_path / "search.yml"
+    search_spec.write_text("nodes: [{address: localhost}]\n")
+    monkeypatch.setenv(trial.SPEC_ENV, str(search_spec))
     settings = trial.TrialSettings(strategy="/jobs/t.strategy", result="/jobs/t.json")
     monkeypatch.setenv(trial.TRIAL_ENV, settings.to_env())
     hooks = trial.TrialHooks.from_environment()
-    assert hooks == trial.TrialHooks(spec_path="/jobs/search.yml", trial=settings)
+    assert hooks == trial.TrialHooks(spec_path=str(search_spec), trial=settings)
     env = hooks.worker_env()
-    assert env == {trial.TRIAL_ENV: settings.to_env(), trial.SPEC_ENV: "/jobs/search.yml"}
+    assert env == {trial.TRIAL_ENV: settings.to_env(), trial.SPEC_ENV: str(search_spec)}
     spec = ResourceSpec.from_dict({"nodes": [{"address": "10.0.0.1", "chief": True},
                                              {"address": "10.0.0.2", "ssh_config": "c"}],
                                    "ssh": {"c": {"username": "u"}}})
     command = launcher.worker_command(spec.node("10.0.0.2"), spec.ssh_configs["c"], env,
                                       ["train.py"], "/jobs")
-    assert "AUTODIST_RESOURCE_SPEC=/jobs/search.yml" in command[-1]
+    assert f"AUTODIST_RESOURCE_SPEC={search_spec}" in command[-1]
     monkeypatch.delenv(trial.SPEC_ENV)
     monkeypatch.delenv(trial.TRIAL_ENV)
     assert trial.TrialHooks.from_environment() == trial.TrialHooks()
     assert trial.TrialHooks().worker_env() == {}
+
+
+@pytest.mark.parametrize("name, value, named", [
+    (trial.TRIAL_ENV, "{not json", "AUTODIST_TRIAL='{not json' is not a trial's settings"),
+    (trial.TRIAL_ENV, "[1, 2]", "a JSON list, not an object"),
+    (trial.TRIAL_ENV, '{"strategy": "s"}', "missing 1 required positional argument: 'result'"),
+    (trial.TRIAL_ENV, '{"strategy": "s", "result": "r", "colour": 1}',
+     "unexpected keyword argument 'colour'"),
+    (trial.TRIAL_ENV, '{"strategy": 5, "result": "r"}', "strategy must be a file path, got 5"),
+    (trial.TRIAL_ENV, '{"strategy": "s", "result": "r", "steps": "ten"}',
+     "steps must be an integer >= 1, got 'ten'"),
+    (trial.TRIAL_ENV, "[" * 100000, "AUTODIST_TRIAL='" + "[" * 100 + "' is not"),
+    (trial.CAPTURE_ENV, "/no/such/directory/capture.json",
+     "AUTODIST_CAPTURE='/no/such/directory/capture.json' is in no existing directory"),
+    (trial.SPEC_ENV, "/no/such/spec.yml",
+     "AUTODIST_RESOURCE_SPEC='/no/such/spec.yml' names no file"),
+])
+def test_a_bad_search_variable_is_named(monkeypatch, name, value, named):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError) as info:
+        trial.TrialHooks.from_environment()
+    message = str(info.value)
+    assert named in message and "unset it to run the script yourself" in message, message
+    assert len(message) < 1000
 
 
 def test_trial_hooks_passed_to_autodist_capture_the_graph_and_end_the_job(tmp_path):

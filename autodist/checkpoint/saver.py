@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 from typing import Optional
 
@@ -246,8 +247,12 @@ def _cause(err: BaseException) -> str:
     if (isinstance(err, tf.errors.ResourceExhaustedError) or getattr(err, "errno", None) == 28
             or "No space left" in text):
         return "the disk is full."
-    if isinstance(err, (tf.errors.DataLossError, tf.errors.OutOfRangeError)):
-        return f"the files are corrupt or cut short ({text.splitlines()[0][:200]})."
+    # TensorFlow reports bytes that fail their checksum as data loss, a file
+    # shorter than its index says as out of range: each names its own cause.
+    if isinstance(err, tf.errors.DataLossError):
+        return f"the files are corrupt ({text.splitlines()[0][:200]})."
+    if isinstance(err, tf.errors.OutOfRangeError):
+        return f"the files are cut short ({text.splitlines()[0][:200]})."
     if isinstance(err, tf.errors.NotFoundError):
         return f"a file or directory is missing ({text.splitlines()[0][:200]})."
     return f"{type(err).__name__}: {text.splitlines()[0][:300] if text else ''}"
@@ -297,18 +302,50 @@ def _remove_leftovers(save_path: str, latest_filename: str) -> None:
             pass
 
 
+def _missing_data_file(save_path: str) -> Optional[str]:
+    """The first data file of checkpoint ``save_path`` that does not exist, or None.
+
+    The data files are ``{save_path}.data-{i:05d}-of-{n:05d}``, i from 0 to n - 1.
+    """
+    directory, stem = os.path.split(save_path)
+    shards = re.compile(re.escape(stem) + r"\.data-(\d{5})-of-(\d{5})")
+    try:
+        names = tf.io.gfile.listdir(directory or ".")
+    except tf.errors.OpError:
+        names = []
+    found = [match for match in map(shards.fullmatch, names) if match]
+    count = int(found[0].group(2)) if found else 1
+    present = {int(match.group(1)) for match in found if int(match.group(2)) == count}
+    for shard in range(count):
+        if shard not in present:
+            return f"{save_path}.data-{shard:05d}-of-{count:05d}"
+    return None
+
+
 def _check_checkpoint(save_path: str, shapes: dict, dtypes: dict) -> None:
     """Raises a CheckpointError naming what keeps ``save_path`` from restoring the model."""
     if not tf.io.gfile.exists(f"{save_path}.index"):
         raise CheckpointError(f"autodist.checkpoint.Saver.restore: no checkpoint at "
                               f"'{save_path}' (its .index file is missing).")
+    # Reading the index opens no data file, and a restore missing one blames a
+    # variable missing from the graph; so both files are checked here.
+    absent = _missing_data_file(save_path)
+    if absent:
+        raise CheckpointError(f"autodist.checkpoint.Saver.restore: cannot read '{save_path}': "
+                              f"its data file '{absent}' is missing.")
     try:
         reader = tf.train.load_checkpoint(save_path)
         stored = reader.get_variable_to_shape_map()
         stored_dtypes = reader.get_variable_to_dtype_map()
     except (tf.errors.OpError, ValueError) as err:
+        # Only the index is read here. TensorFlow reports a damaged one as a bare
+        # OpError ("not an sstable", "block checksum mismatch"), naming no cause.
+        detail = (getattr(err, "message", "") or "").strip().splitlines()
+        cause = (f"its index file '{save_path}.index' is corrupt or cut short "
+                 f"({detail[0][:200] if detail else 'unreadable'})."
+                 if type(err) is tf.errors.OpError else _cause(err))
         raise CheckpointError(f"autodist.checkpoint.Saver.restore: cannot read '{save_path}': "
-                              f"{_cause(err)}") from None
+                              f"{cause}") from None
     missing = sorted(key for key in shapes if key not in stored)
     wrong = sorted(f"{key} {list(stored[key])} (the model has {list(shape)})"
                    for key, shape in shapes.items()

@@ -19,6 +19,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Optional
 
@@ -36,17 +37,48 @@ class LaunchError(RuntimeError):
 
 @dataclasses.dataclass
 class WorkerProcess:
-    """A launched worker: the node it runs on and its local process."""
+    """A launched worker: the node it runs on and its local process.
+
+    Attributes:
+        ssh_log: for a worker reached over ssh, the file ssh writes its own errors
+            to (a refused key, an unreachable node), so that :meth:`failure` can
+            name them.
+    """
 
     node: str
     process: subprocess.Popen
     command: list
+    ssh_log: Optional[str] = None
 
     def exit_code(self) -> Optional[int]:
         return self.process.poll()
 
+    def failure(self) -> str:
+        """Why the ended process failed: its exit code, and what ssh said if it failed."""
+        said = ""
+        if self.ssh_log:
+            try:
+                with open(self.ssh_log, errors="replace") as log:
+                    said = " ".join(log.read().split())
+            except OSError:
+                pass
+        code = self.process.poll()
+        if said:
+            return f"ssh could not run its process (exit code {code}): {said[-500:]}"
+        return f"its process exited with code {code}."
+
     def stop(self, grace: float = 5.0) -> None:
         """Stops the worker's whole process group: SIGTERM, then SIGKILL after ``grace`` s."""
+        try:
+            self._stop(grace)
+        finally:
+            if self.ssh_log:
+                try:
+                    os.unlink(self.ssh_log)
+                except OSError:
+                    pass
+
+    def _stop(self, grace: float) -> None:
         if self.process.poll() is not None:
             return
         for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, grace)):
@@ -62,8 +94,10 @@ class WorkerProcess:
 
 
 def worker_command(node: NodeSpec, ssh: Optional[SSHConfig], env: dict,
-                   argv: list, cwd: str) -> list:
+                   argv: list, cwd: str, ssh_log: Optional[str] = None) -> list:
     """The command that runs ``argv`` (a Python script and its arguments) on ``node``.
+
+    ``ssh_log``: where ssh writes its own errors, instead of standard error.
 
     Raises:
         LaunchError: when a remote node has neither a launch prefix nor an ssh config.
@@ -86,6 +120,8 @@ def worker_command(node: NodeSpec, ssh: Optional[SSHConfig], env: dict,
     command = ["ssh", *SSH_OPTIONS, "-p", str(ssh.port)]
     if ssh.key_file:
         command += ["-i", ssh.key_file]
+    if ssh_log:
+        command += ["-E", ssh_log]
     return [*command, f"{ssh.username}@{node.address}", remote]
 
 
@@ -103,12 +139,20 @@ def launch(node: NodeSpec, ssh: Optional[SSHConfig], env: dict, argv: list,
     Raises:
         LaunchError: naming the node when the command cannot be started.
     """
+    ssh_log = None
+    if ssh is not None and not node.launch_prefix:
+        # ssh's own messages would be lost among the worker's output; the
+        # failure of a worker that never started names them instead.
+        descriptor, ssh_log = tempfile.mkstemp(prefix="autodist-ssh-", suffix=".log")
+        os.close(descriptor)
     command = worker_command(node, ssh, {**env, SECRETS_ON_STDIN_ENV: "1"} if secrets else env,
-                             argv, cwd)
+                             argv, cwd, ssh_log)
     try:
         process = subprocess.Popen(command, cwd=cwd, start_new_session=True,
                                    stdin=subprocess.PIPE if secrets else subprocess.DEVNULL)
     except OSError as err:
+        if ssh_log:
+            os.unlink(ssh_log)
         raise LaunchError(f"Could not start the worker on node '{node.address}' "
                           f"with {command[0]!r}: {err}") from None
     if secrets:
@@ -117,7 +161,7 @@ def launch(node: NodeSpec, ssh: Optional[SSHConfig], env: dict, argv: list,
             process.stdin.close()
         except OSError:  # the worker already ended; its exit code tells why
             pass
-    return WorkerProcess(node.address, process, command)
+    return WorkerProcess(node.address, process, command, ssh_log)
 
 
 def read_secrets(timeout: float = 60.0) -> dict:
@@ -126,10 +170,14 @@ def read_secrets(timeout: float = 60.0) -> dict:
     Raises:
         LaunchError: when they do not arrive within ``timeout`` seconds (a launch
             prefix that does not pass standard input on, e.g. ``kubectl exec``
-            without ``-i``).
+            without ``-i``), or when ``AUTODIST_SECRETS_ON_STDIN`` is neither unset nor 1.
     """
-    if os.environ.get(SECRETS_ON_STDIN_ENV) != "1":
+    flag = os.environ.get(SECRETS_ON_STDIN_ENV)
+    if flag is None:
         return {}
+    if flag != "1":
+        raise LaunchError(f"{SECRETS_ON_STDIN_ENV}={flag[:40]!r} is not 1: the chief sets it "
+                          "to 1 for the workers it launches; unset it otherwise.")
     ready, _, _ = select.select([sys.stdin], [], [], timeout)
     line = sys.stdin.readline() if ready else ""
     try:

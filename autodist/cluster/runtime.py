@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import tensorflow as tf
 
@@ -39,25 +39,47 @@ JOB = "worker"
 
 @dataclasses.dataclass(frozen=True)
 class NodeRole:
-    """Who this process is in the job."""
+    """Who this process is in the job.
+
+    Attributes:
+        service: a worker's: the chief's strategy service (address, port).
+    """
 
     address: str
     is_chief: bool
     task_index: int
+    service: Optional[Tuple[str, int]] = None
 
 
 def current_role(spec: ResourceSpec) -> NodeRole:
     """The chief unless launched as a worker (``AUTODIST_WORKER`` set).
 
+    A worker's chief sets ``AUTODIST_CHIEF`` (its address) and
+    ``AUTODIST_SERVICE_PORT`` (where it serves the strategy) too.
+
     Raises:
-        ValueError: when ``AUTODIST_WORKER`` names a node the spec lacks.
+        ValueError: naming the variable and its value (cut short) when
+            ``AUTODIST_WORKER`` names a node the spec lacks, or a worker's
+            ``AUTODIST_CHIEF`` or ``AUTODIST_SERVICE_PORT`` is unset or wrong.
     """
     address = os.environ.get(WORKER_ENV, spec.chief)
     order = ordered_nodes(spec)
     if address not in order:
-        raise ValueError(f"{WORKER_ENV}={address!r} is not a node of the resource spec "
-                         f"'{spec.source}' ({order}).")
-    return NodeRole(address, address == spec.chief, order.index(address))
+        raise ValueError(f"{WORKER_ENV}={address[:100]!r} is not a node of the resource spec "
+                         f"'{spec.source}' ({str(order)[:300]}).")
+    if address == spec.chief:
+        return NodeRole(address, True, 0)
+    launched_by = (f"{WORKER_ENV}={address!r} makes this process a worker, which its chief "
+                   f"starts with {CHIEF_ENV} and {SERVICE_PORT_ENV} set; unset {WORKER_ENV} "
+                   "to run the script as the chief.")
+    chief = os.environ.get(CHIEF_ENV)
+    if chief is None:
+        raise ValueError(f"{CHIEF_ENV} is not set. {launched_by}")
+    if chief != spec.chief:
+        raise ValueError(f"{CHIEF_ENV}={chief[:100]!r} is not the chief of the resource spec "
+                         f"'{spec.source}' ({spec.chief!r}). {launched_by}")
+    port = _port(SERVICE_PORT_ENV, os.environ.get(SERVICE_PORT_ENV), launched_by)
+    return NodeRole(address, False, order.index(address), service=(chief, port))
 
 
 def ordered_nodes(spec: ResourceSpec) -> list:
@@ -71,14 +93,24 @@ def tf_port() -> int:
     Raises:
         ValueError: when the variable is not a port number from 1 to 65535.
     """
-    text = os.environ.get(TF_PORT_ENV, str(DEFAULT_TF_PORT))
+    return _port(TF_PORT_ENV, os.environ.get(TF_PORT_ENV, str(DEFAULT_TF_PORT)),
+                 f"set it to an integer from 1 to 65535 (default {DEFAULT_TF_PORT}).")
+
+
+def _port(name: str, text: Optional[str], hint: str) -> int:
+    """``text``, the value of environment variable ``name``, as a port number.
+
+    Raises:
+        ValueError: naming the variable, its value (cut short) and ``hint``, when
+            it is unset or not an integer from 1 to 65535.
+    """
     try:
         port = int(text)
-    except ValueError:
+    except (TypeError, ValueError):  # unset, or not a number
         port = 0
     if not 1 <= port <= 65535:
-        raise ValueError(f"{TF_PORT_ENV}={text[:40]!r} is not a port: set it to an integer "
-                         f"from 1 to 65535 (default {DEFAULT_TF_PORT}).")
+        state = " is not set" if text is None else f"={text[:40]!r} is not a port"
+        raise ValueError(f"{name}{state}: {hint}")
     return port
 
 
@@ -302,9 +334,8 @@ class ChiefCoordinator:
             workers = list(self._workers)
         try:
             for worker in workers:
-                code = worker.exit_code()
-                if code not in (None, 0):
-                    raise WorkerFailedError(worker.node, f"its process exited with code {code}.")
+                if worker.exit_code() not in (None, 0):
+                    raise WorkerFailedError(worker.node, worker.failure())
             self._server.check_workers()
         except ServiceError:
             self._failed = True
@@ -348,8 +379,7 @@ class WorkerAgent:
     def __init__(self, role: NodeRole):
         _die_with_launcher()
         token = launcher.read_secrets().get(TOKEN_ENV) or os.environ.get(TOKEN_ENV, "")
-        self._client = StrategyClient(os.environ[CHIEF_ENV], int(os.environ[SERVICE_PORT_ENV]),
-                                      token, role.address)
+        self._client = StrategyClient(*role.service, token, role.address)
         self._client.start_heartbeat(on_chief_lost=_exit_orphaned, lost_after=CHIEF_LOST_S)
         _at_exit(self.close)
         self._process_hooks = ProcessHooks()

@@ -8,9 +8,9 @@ or FAILED, and sends heartbeats while it trains. The chief waits on a barrier
 between steps (:meth:`StrategyServer.check_workers`).
 
 Every call carries a per-job secret token (:func:`new_token`, made by the chief
-and handed to launched workers in the ``AUTODIST_JOB_TOKEN`` environment
-variable) in gRPC metadata; calls without it, or with a wrong one, are refused
-with ``UNAUTHENTICATED``.
+and handed to launched workers on their standard input as ``AUTODIST_JOB_TOKEN``,
+see ``launcher.launch``) in gRPC metadata; calls without it, or with a wrong
+one, are refused with ``UNAUTHENTICATED``.
 """
 from __future__ import annotations
 

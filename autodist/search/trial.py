@@ -74,12 +74,36 @@ class TrialSettings:
     steps: int = 10
 
     def __post_init__(self) -> None:
+        for name in ("strategy", "result"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"{name} must be a file path, got {getattr(self, name)!r:.100}.")
         # The timer starts at the end of the last warm-up step: with none it never would.
         check_int("warmup", self.warmup)
         check_int("steps", self.steps)
 
     def to_env(self) -> str:
         return json.dumps(dataclasses.asdict(self))
+
+
+def _trial_settings(raw: str) -> TrialSettings:
+    """The settings in ``AUTODIST_TRIAL``: a JSON object of TrialSettings' fields.
+
+    Raises:
+        ValueError: naming the variable, its value (cut short) and what is wrong.
+    """
+    try:
+        fields = json.loads(raw)
+        if not isinstance(fields, dict):
+            raise ValueError(f"a JSON {type(fields).__name__}, not an object")
+        return TrialSettings(**fields)
+    except (ValueError, TypeError, RecursionError) as err:  # bad JSON, fields or values
+        raise _not_from_a_search(TRIAL_ENV, raw, f"is not a trial's settings "
+                                 f"({str(err)[:200]})") from None
+
+
+def _not_from_a_search(name: str, value: str, problem: str) -> ValueError:
+    return ValueError(f"{name}={value[:100]!r} {problem}. 'autodist search' sets it for the "
+                      "runs of the script it times; unset it to run the script yourself.")
 
 
 class TrialFinished(SystemExit):
@@ -106,11 +130,22 @@ class TrialHooks:
 
     @classmethod
     def from_environment(cls) -> "TrialHooks":
-        """The hooks a search set for this process; empty outside a search."""
+        """The hooks a search set for this process; empty outside a search.
+
+        Raises:
+            ValueError: naming the variable and its value (cut short) when one is
+                not what a search sets: a spec file that does not exist, a capture
+                path in no existing directory, trial settings that are not valid.
+        """
+        spec_path = os.environ.get(SPEC_ENV) or None
+        if spec_path and not os.path.isfile(spec_path):
+            raise _not_from_a_search(SPEC_ENV, spec_path, "names no file")
+        capture = os.environ.get(CAPTURE_ENV) or None
+        if capture and not os.path.isdir(os.path.dirname(os.path.abspath(capture))):
+            raise _not_from_a_search(CAPTURE_ENV, capture, "is in no existing directory")
         raw = os.environ.get(TRIAL_ENV)
-        return cls(spec_path=os.environ.get(SPEC_ENV) or None,
-                   capture=os.environ.get(CAPTURE_ENV) or None,
-                   trial=TrialSettings(**json.loads(raw)) if raw else None)
+        return cls(spec_path=spec_path, capture=capture,
+                   trial=_trial_settings(raw) if raw else None)
 
     def resource_spec_file(self, script_spec: str) -> str:
         return self.spec_path or script_spec
