@@ -10,12 +10,13 @@ update applies K runs' gradients: single-device training on the
 concatenation of those K batches.
 
 With ``--gan`` the model is ``models.gan`` instead: each step runs the
-discriminator's train op, then the generator's, and OUT gets every global
-variable by name.
+discriminator's train op, then the generator's. With ``--gan`` or
+``--all-variables`` OUT gets every global variable (slots, Adam's powers, the
+global step) by name, ``/`` written ``|``.
 
     python cluster_job.py SPEC BUILDER OUT [--steps N] [--die-at STEP] [--mismatch]
                           [--restore CHECKPOINT] [--save CHECKPOINT] [--optimizer NAME]
-                          [--accumulation-steps K] [--gan] [--clip NORM]
+                          [--accumulation-steps K] [--gan] [--clip NORM] [--all-variables]
                           [--token-file PATH]
 """
 import argparse
@@ -105,11 +106,9 @@ def single_device_state(num_replicas: int, steps: int, optimizer: str = "adam",
             return {v.op.name: sess.run(v) for v in tf1.global_variables()}
 
 
-def reference(num_replicas: int, steps: int, accumulation_steps: int = 1,
-              clip: float = 0.0) -> list:
+def reference(num_replicas: int, steps: int) -> list:
     """Single-device training on the global batch: the values every strategy must reach."""
-    state = single_device_state(num_replicas, steps, accumulation_steps=accumulation_steps,
-                                clip=clip)
+    state = single_device_state(num_replicas, steps)
     return [state[name] for name in ("embedding", "w1", "w2")]
 
 
@@ -146,6 +145,8 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=0.0,
                         help="clip the gradients by this global norm before applying them")
     parser.add_argument("--token-file", help="the chief writes the job's token here")
+    parser.add_argument("--all-variables", action="store_true",
+                        help="save every global variable by name, as fetched on the chief")
     args = parser.parse_args()
     if args.token_file:  # for the test that looks for the token in every command line
         from autodist.cluster import runtime
@@ -194,7 +195,9 @@ def main() -> None:
         values = sess.run(variables)
         if args.save:
             saver.save(sess, args.save)
-    if ad.is_chief:
+        if args.all_variables and ad.is_chief:
+            save_by_name(args.out, sess, tf1.global_variables())
+    if ad.is_chief and not args.all_variables:
         np.savez(args.out, *values)
 
 
@@ -211,9 +214,14 @@ def train_gan(ad, args, rows: slice) -> None:
             sess.run(gan.d_train, feeds)
             sess.run(gan.g_train, feeds)
             print(f"node {ad.node_index} step {step} done", flush=True)
-        if ad.is_chief:  # a worker holds no PS variable's slots
-            np.savez(args.out, **{v.op.name.replace("/", "|"): value
-                                  for v, value in zip(variables, sess.run(variables))})
+        if ad.is_chief:
+            save_by_name(args.out, sess, variables)
+
+
+def save_by_name(path: str, sess, variables: list) -> None:
+    """Fetches ``variables`` (on the chief: a worker holds no PS variable's slots) into ``path``."""
+    np.savez(path, **{v.op.name.replace("/", "|"): value
+                      for v, value in zip(variables, sess.run(variables))})
 
 
 if __name__ == "__main__":

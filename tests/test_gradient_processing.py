@@ -41,22 +41,24 @@ class ClippingAdam(tf1.train.AdamOptimizer):
         return self.apply_gradients(zip(clipped, variables), global_step=global_step)
 
 
+def open_session(ad):
+    """AutoDist's session, or with ``ad`` None a plain one with the variables initialized."""
+    if ad is not None:
+        return ad.create_distributed_session()
+    sess = tf1.Session()
+    sess.run(tf1.global_variables_initializer())
+    return sess
+
+
 def train(model: str, ad=None, steps: int = STEPS):
     """(global norm per step, final variables), on one device or through ``ad``."""
     norms = []
     with tf.Graph().as_default(), (ad.scope() if ad else contextlib.nullcontext()):
         built = models.MODELS[model](lambda: ClippingAdam(norms))
         norm, = norms
-        if ad is None:
-            sess = tf1.Session()
-            sess.run(tf1.global_variables_initializer())
-            variables = [models.as_tf_variable(v) for v in built.variables]
-        else:
-            sess = ad.create_distributed_session()
-            variables = built.variables
-        with sess:
+        with open_session(ad) as sess:
             norms = [sess.run([norm, built.train_op], built.feeds)[0] for _ in range(steps)]
-            return norms, sess.run(variables)
+            return norms, sess.run([models.as_tf_variable(v) for v in built.variables])
 
 
 @pytest.mark.parametrize("model", ["dense", "embedding", "partitionable"])
@@ -75,12 +77,7 @@ def test_clipping_runs_on_the_mean_of_accumulated_gradients(spec_path):
     def run(ad, feeds_per_run):
         with tf.Graph().as_default(), (ad.scope() if ad else contextlib.nullcontext()):
             built = models.dense_mlp(ClippingAdam)
-            if ad is None:
-                sess = tf1.Session()
-                sess.run(tf1.global_variables_initializer())
-            else:
-                sess = ad.create_distributed_session()
-            with sess:
+            with open_session(ad) as sess:
                 for scale in feeds_per_run:
                     sess.run(built.train_op, {p: np.concatenate([v * s for s in scale])
                                               for p, v in built.feeds.items()})
@@ -104,12 +101,7 @@ def test_processing_may_read_values_every_replica_shares(spec_path):
                     return self.apply_gradients([(g * scale, v) for g, v in pairs])
 
             built = models.dense_mlp(lambda: ScalingSGD(0.1))
-            if ad is None:
-                sess = tf1.Session()
-                sess.run(tf1.global_variables_initializer())
-            else:
-                sess = ad.create_distributed_session()
-            with sess:
+            with open_session(ad) as sess:
                 for value in (1.0, 3.0):
                     sess.run(built.train_op, {**built.feeds, scale: value})
                 return sess.run([models.as_tf_variable(v) for v in built.variables])

@@ -602,6 +602,49 @@ def test_evaluate_predict_and_saved_weights_match_single_device(spec_path, tmp_p
                                atol=ATOL, rtol=RTOL)
 
 
+def test_a_model_saved_whole_after_fit_reloads_with_the_trained_weights(spec_path, tmp_path):
+    x, y = km.data("mlp")
+    _, model, _ = fit_autodist(spec_path, PartitionedPS(), "mlp", "adam")
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    reloaded = keras.models.load_model(path)
+    np.testing.assert_allclose(reloaded.predict(x, batch_size=8, verbose=0),
+                               model.predict(x, batch_size=8, verbose=0), atol=ATOL, rtol=RTOL)
+    # The optimizer's state travels too, in the single-device layout.
+    for got, want in zip(reloaded.optimizer.variables, model.optimizer.variables):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=ATOL, rtol=RTOL)
+    assert int(reloaded.optimizer.iterations.numpy()) > 0
+
+
+class SubclassedMLP(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(8, activation="tanh",
+                                         kernel_initializer=keras.initializers.GlorotUniform(1))
+        self.out = keras.layers.Dense(2, kernel_initializer=keras.initializers.GlorotUniform(2))
+
+    def call(self, inputs):
+        return self.out(self.hidden(inputs))
+
+
+def test_a_subclassed_model_fits_like_one_device(spec_path):
+    rng = np.random.RandomState(0)
+    x, y = rng.randn(32, 6).astype(np.float32), rng.randn(32, 2).astype(np.float32)
+
+    def compiled():
+        model = SubclassedMLP()
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        return model
+
+    single = compiled()
+    single.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    with AutoDist(spec_path, AllReduce()).scope():
+        model = compiled()
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    for got, want in zip(model.get_weights(), single.get_weights()):
+        np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
+
+
 def test_callbacks_and_validation_run_during_fit(spec_path, tmp_path):
     x, y = km.data("mlp")
 

@@ -18,6 +18,7 @@ import pytest
 import cluster_job
 import clusters
 import test_several_optimizers
+from autodist.strategy import BUILDERS
 
 pytestmark = [pytest.mark.multinode, clusters.needs_root]
 
@@ -71,22 +72,30 @@ def test_cluster_training_equals_single_device(request, tmp_path, cluster_name, 
     _assert_no_job_left()
 
 
+def _assert_all_variables_equal(out, want: dict) -> None:
+    """The chief's fetch of every global variable (saved by name) equals ``want``."""
+    got = np.load(out)
+    assert {name.replace("|", "/") for name in got.files} == set(want)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name.replace("/", "|")], value, rtol=1e-5, atol=1e-5,
+                                   err_msg=name)
+
+
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("accumulation_steps", [2, 4])
-@pytest.mark.parametrize("builder", ["PS", "PartitionedPS", "AllReduce", "Parallax"])
-def test_accumulated_gradients_equal_one_device_on_the_concatenated_batches(
+@pytest.mark.parametrize("accumulation_steps", [1, 2, 4])
+@pytest.mark.parametrize("builder", sorted(BUILDERS))
+def test_accumulated_gradients_and_every_global_variable_equal_one_device(
         two_nodes, tmp_path, builder, accumulation_steps):
-    # 4 runs, each feeding another global batch: 4 / k updates, each on k batches.
+    # 4 runs, each feeding another global batch (but with k = 1: the same one):
+    # 4 / k updates, each on k batches. The chief fetches tf.global_variables().
     cluster, spec = two_nodes
     out = tmp_path / "variables.npz"
     runs = 4
-    done = _run_job(cluster, spec, builder, out, "--steps", str(runs),
+    done = _run_job(cluster, spec, builder, out, "--steps", str(runs), "--all-variables",
                     "--accumulation-steps", str(accumulation_steps))
     assert done.returncode == 0, done.stderr[-3000:]
-    want = cluster_job.reference(2, runs, accumulation_steps)
-    got = np.load(out)
-    for i, expected in enumerate(want):
-        np.testing.assert_allclose(got[f"arr_{i}"], expected, rtol=1e-5, atol=1e-5)
+    _assert_all_variables_equal(out, cluster_job.single_device_state(
+        2, runs, accumulation_steps=accumulation_steps))
     for node in range(2):
         assert f"node {node} step {runs - 1} loss" in done.stdout
     _assert_no_job_left()
@@ -97,11 +106,9 @@ def test_accumulated_gradients_equal_one_device_on_the_concatenated_batches(
 def test_clipping_by_global_norm_acts_on_the_averaged_gradients(two_nodes, tmp_path, builder):
     cluster, spec = two_nodes
     out = tmp_path / "variables.npz"
-    done = _run_job(cluster, spec, builder, out, "--clip", str(CLIP))
+    done = _run_job(cluster, spec, builder, out, "--clip", str(CLIP), "--all-variables")
     assert done.returncode == 0, done.stderr[-3000:]
-    got = np.load(out)
-    for i, expected in enumerate(cluster_job.reference(2, STEPS, clip=CLIP)):
-        np.testing.assert_allclose(got[f"arr_{i}"], expected, rtol=1e-5, atol=1e-5)
+    _assert_all_variables_equal(out, cluster_job.single_device_state(2, STEPS, clip=CLIP))
     _assert_no_job_left()
 
 
@@ -112,12 +119,8 @@ def test_a_gan_with_two_optimizers_trains_like_one_device(two_nodes, tmp_path, b
     out = tmp_path / "variables.npz"
     done = _run_job(cluster, spec, builder, out, "--gan", "--optimizer", "adam")
     assert done.returncode == 0, done.stderr[-3000:]
-    got = np.load(out)
-    want = test_several_optimizers.gan_single(STEPS, cluster_job.OPTIMIZERS["adam"])
-    assert {name.replace("|", "/") for name in got.files} == set(want)
-    for name, value in want.items():
-        np.testing.assert_allclose(got[name.replace("/", "|")], value, rtol=1e-5, atol=1e-5,
-                                   err_msg=name)
+    _assert_all_variables_equal(out, test_several_optimizers.gan_single(
+        STEPS, cluster_job.OPTIMIZERS["adam"]))
     _assert_no_job_left()
 
 

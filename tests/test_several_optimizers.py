@@ -8,8 +8,10 @@ import tensorflow as tf
 
 import models
 from autodist import AutoDist
-from autodist.strategy import AllReduce, PartitionedPS
-from test_equivalence import BUILDERS
+from autodist.strategy import AllReduce, PartitionedPS, ShardedUpdateAR
+from test_equivalence import BUILDERS as EQUIVALENCE_BUILDERS
+
+BUILDERS = dict(EQUIVALENCE_BUILDERS, ShardedUpdateAR=ShardedUpdateAR)
 
 tf1 = tf.compat.v1
 
