@@ -97,11 +97,6 @@ class GradientProcessing:
     raw: dict
     applied: dict
 
-    def tensor_names(self) -> set:
-        """Every tensor name of the raw gradients."""
-        return {name for ref in self.raw.values()
-                for name in (ref.values, ref.indices, ref.dense_shape) if name}
-
 
 @dataclasses.dataclass(frozen=True)
 class GradientRef:
@@ -147,6 +142,11 @@ class GraphItem:
     Attributes:
         accumulation_steps: runs of the train op whose gradients one update
             applies (``AutoDist(accumulation_steps=...)``); 1 by default.
+        gradients: variable name -> its gradient as the replicas compute it
+            (before any processing the user applied).
+        call_of: variable name -> the index of the optimizer call updating it.
+        processing: optimizer call index -> its ``GradientProcessing``, for the
+            calls that process their gradients before applying them.
 
     Raises:
         ValueError: when the graph has no captured optimizer call, or a variable

@@ -44,7 +44,7 @@ def process(item: GraphItem, call: int, reduced: Reduced, ctx: KernelContext) ->
     updates = reduced.local_updates + reduced.remote_updates
     mine = [u for u in updates if u.name in processing.applied]
     if not mine:
-        return reduced  # another node updates them (a PS strategy's chief)
+        return reduced  # another node updates them (the chief, under a PS strategy)
     _check_whole(processing, mine, reduced, ctx.split_step)
     by_variable = {}
     for update in mine:
