@@ -18,8 +18,8 @@ import models
 from autodist import partition
 from autodist import AutoDist
 from autodist.strategy import (PS, AllReduce, Parallax, PartitionedAR, PartitionedPS,
-                               PSLoadBalancing, RandomAxisPartitionAR, Strategy,
-                               UnevenPartitionedPS)
+                               PSLoadBalancing, RandomAxisPartitionAR, ShardedUpdateAR,
+                               Strategy, UnevenPartitionedPS)
 from autodist.strategy import common
 
 tf1 = tf.compat.v1
@@ -54,6 +54,9 @@ BUILDERS = {
     "AllReduce-chunk_size_1": lambda: AllReduce(chunk_size=1),
     "Parallax-local_proxy": lambda: Parallax(local_proxy_variable=True),
 }
+# With the sharded update too (its own equivalence matrix is test_sharded_update's),
+# for the features every kind must support.
+WITH_SHARDED_UPDATE = dict(BUILDERS, ShardedUpdateAR=ShardedUpdateAR)
 
 
 # ----------------------------------------------------------------------------- harness

@@ -8,10 +8,8 @@ import tensorflow as tf
 
 import models
 from autodist import AutoDist
-from autodist.strategy import AllReduce, PartitionedPS, ShardedUpdateAR
-from test_equivalence import BUILDERS as EQUIVALENCE_BUILDERS
-
-BUILDERS = dict(EQUIVALENCE_BUILDERS, ShardedUpdateAR=ShardedUpdateAR)
+from autodist.strategy import AllReduce, PartitionedPS
+from test_equivalence import WITH_SHARDED_UPDATE as BUILDERS
 
 tf1 = tf.compat.v1
 

@@ -36,7 +36,7 @@ class Accumulation:
     """
 
     steps: int
-    runs: list = dataclasses.field(default_factory=list)
+    runs: list = dataclasses.field(init=False)
     resets: list = dataclasses.field(default_factory=list)
 
     def __post_init__(self):

@@ -46,14 +46,13 @@ def process(item: GraphItem, call: int, reduced: Reduced, ctx: KernelContext) ->
     if not mine:
         return reduced  # another node updates them (the chief, under a PS strategy)
     _check_whole(processing, mine, reduced, ctx.split_step)
-    by_variable = {}
-    for update in mine:
+    by_variable = {}  # variable name -> its parts' updates, in part order
+    for update in sorted(mine, key=lambda u: u.part):
         by_variable.setdefault(update.name, []).append(update)
     whole = {name: _stitched(parts) for name, parts in by_variable.items()}
     processed = _import(item, processing, whole, call, ctx)
     replaced = {}
     for name, parts in by_variable.items():
-        parts = sorted(parts, key=lambda u: u.part)
         plan = parts[0].plan
         pieces = [processed[name]] if plan is None else partitioner.split_gradient(
             processed[name], plan)
@@ -93,8 +92,7 @@ def _check_whole(processing: GradientProcessing, mine: list, reduced: Reduced,
 
 
 def _stitched(parts: list):
-    """A variable's whole averaged gradient from its parts' updates."""
-    parts = sorted(parts, key=lambda u: u.part)
+    """A variable's whole averaged gradient from its parts' updates, in part order."""
     if parts[0].plan is None:
         return parts[0].gradient
     return partitioner.stitch_gradient([u.gradient for u in parts], parts[0].plan)
