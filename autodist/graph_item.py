@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -19,6 +19,10 @@ class VariableInfo:
         dtype: numpy dtype name of the variable, e.g. ``"float32"``.
         sparse_grad: whether its gradient is an IndexedSlices (embedding lookups).
         has_grad: whether the optimizer receives a gradient for it.
+        ready_rank: when its gradient is ready in the backward pass, as a rank
+            among the variables with a gradient (0: first); all-reduce buckets
+            are filled in this order (see ``GraphItem``). Equal
+            ranks keep the variables' order.
     """
 
     name: str
@@ -26,6 +30,7 @@ class VariableInfo:
     dtype: str
     sparse_grad: bool = False
     has_grad: bool = True
+    ready_rank: int = 0
 
     @property
     def num_elements(self) -> int:
@@ -192,17 +197,50 @@ class GraphItem:
                 # What the replicas compute and the kinds average: the raw gradient.
                 self.gradients[name] = gradient_ref(call.raw_gradients.get(name, grad))
         self.variables = {v.op.name: v for v in self._trainables}
+        ranks = self._ready_ranks()
         self.trainable_variables = [
             VariableInfo(name=v.op.name, shape=tuple(v.shape.as_list()),
                          dtype=v.dtype.base_dtype.name,
                          sparse_grad=self.gradients.get(v.op.name, GradientRef("")).sparse,
-                         has_grad=v.op.name in self.gradients)
+                         has_grad=v.op.name in self.gradients,
+                         ready_rank=ranks.get(v.op.name, 0))
             for v in self._trainables]
         self._classify_ops()
         # optimizer call index -> its gradient processing, where it has one
         self.processing = {index: self._processing(call)
                            for index, call in enumerate(self.optimizer_calls)
                            if call.raw_gradients}
+
+    def _ready_ranks(self) -> Dict[str, int]:
+        """Variable name -> when its gradient is ready in the backward pass, as a rank (0: first).
+
+        A gradient is ready after the longest chain of ops leading to it (its depth
+        in the graph): backpropagation reaches the last layers' gradients first, and
+        the first layers' after every layer above them. Ties keep the graph's order.
+        A while loop's back edges (``NextIteration``) are not followed.
+        """
+        nodes = {node.name: node for node in self.graph_def.node}
+        position = {name: i for i, name in enumerate(nodes)}
+        depth: Dict[str, int] = {}
+        visiting = set()
+        for ref in self.gradients.values():
+            todo = [op_name(ref.values)]
+            while todo:  # depth-first without recursion: graphs are deep
+                name = todo[-1]
+                if name in depth:
+                    todo.pop()
+                    continue
+                inputs = [op_name(i) for i in nodes[name].input
+                          if nodes[op_name(i)].op != "NextIteration"]
+                if name not in visiting:
+                    visiting.add(name)
+                    todo.extend(i for i in inputs if i not in depth and i not in visiting)
+                    continue
+                depth[name] = 1 + max((depth.get(i, 0) for i in inputs), default=0)
+                todo.pop()
+        source = {var: op_name(ref.values) for var, ref in self.gradients.items()}
+        order = sorted(source, key=lambda var: (depth[source[var]], position[source[var]]))
+        return {var: rank for rank, var in enumerate(order)}
 
     def _processing(self, call) -> GradientProcessing:
         """The ops between a call's raw gradients and what it applied."""

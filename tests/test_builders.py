@@ -257,7 +257,9 @@ def test_all_reduce_groups_by_chunk_and_enums():
 @pytest.mark.parametrize("kwargs, match", [
     ({"compressor": "Gzip"}, r"compressor='Gzip'.*HorovodCompressor"),
     ({"all_reduce_spec": "MPI"}, r"all_reduce_spec='MPI'.*NCCL"),
-    ({"chunk_size": 0}, "chunk_size must be an integer >= 1, got 0"),
+    ({"chunk_size": 0}, "chunk_size must be an integer >= 1 or None, got 0"),
+    ({"bucket_bytes": 0}, "bucket_bytes must be an integer >= 1 or None, got 0"),
+    ({"bucket_bytes": 2.5e6}, "bucket_bytes must be an integer >= 1 or None, got 2500000.0"),
 ])
 def test_all_reduce_argument_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import random
-from typing import List, Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 from autodist import partition
 from autodist.strategy import common
@@ -12,34 +12,51 @@ from autodist.strategy.base import Strategy, StrategyBuilder
 class ARConfig:
     """All-reduce settings shared by the all-reduce builders.
 
+    The all-reduced units (variables or parts) are grouped into buckets, one
+    collective each, filled in the order the backward pass computes their
+    gradients (:func:`autodist.strategy.common.byte_buckets`).
+
     Args:
-        chunk_size: number of consecutive all-reduced units (variables or
-            parts) merged into one collective group.
+        chunk_size: the most units in one bucket; None for no such cap.
         all_reduce_spec: an ``AllReduceSynchronizer.Spec`` name.
         compressor: an ``AllReduceSynchronizer.Compressor`` name.
+        bucket_bytes: the most gradient bytes in one bucket (25 MiB by default);
+            None for no such cap.
 
     Raises:
-        ValueError: if ``chunk_size < 1`` or a name is not a valid enum name
-            (the message lists the valid ones).
+        ValueError: if a cap is not None or an integer >= 1, or a name is not a
+            valid enum name (the message lists the valid ones).
     """
 
-    def __init__(self, chunk_size: int = 128, all_reduce_spec: str = "AUTO",
-                 compressor: str = "NoneCompressor"):
-        common.check_int("chunk_size", chunk_size)
+    def __init__(self, chunk_size: Optional[int] = None, all_reduce_spec: str = "AUTO",
+                 compressor: str = "NoneCompressor",
+                 bucket_bytes: Optional[int] = common.DEFAULT_BUCKET_BYTES):
+        common.check_bucket_args(bucket_bytes, chunk_size)
         common.ar_spec_value(all_reduce_spec)
         common.ar_compressor_value(compressor)
-        self.chunk_size = int(chunk_size)
+        self.chunk_size = chunk_size
+        self.bucket_bytes = bucket_bytes
         self.all_reduce_spec = all_reduce_spec
         self.compressor = compressor
 
-    def node(self, name: str, index: int):
-        """Returns the AR node config of the ``index``-th all-reduced unit."""
-        return common.ar_node_config(name, common.chunk_group(index, self.chunk_size),
-                                     self.all_reduce_spec, self.compressor)
+    def groups(self, units: Sequence[Tuple[str, object, int]]) -> Dict[str, int]:
+        """Unit name -> its bucket, for ``(name, VariableInfo, bytes)`` of every all-reduced unit.
+
+        A sparse gradient is gathered, not reduced in its bucket's buffer, so its
+        bytes fill no bucket.
+        """
+        return common.byte_buckets(
+            [(name, 0 if var.sparse_grad else size, var.ready_rank) for name, var, size in units],
+            self.bucket_bytes, self.chunk_size)
+
+    def node(self, name: str, group: int):
+        """Returns the AR node config of the unit ``name`` in bucket ``group``."""
+        return common.ar_node_config(name, group, self.all_reduce_spec, self.compressor)
 
     def __repr__(self) -> str:
         return (f"ARConfig(chunk_size={self.chunk_size!r}, "
-                f"all_reduce_spec={self.all_reduce_spec!r}, compressor={self.compressor!r})")
+                f"all_reduce_spec={self.all_reduce_spec!r}, compressor={self.compressor!r}, "
+                f"bucket_bytes={self.bucket_bytes!r})")
 
 
 def no_grad_node_config(var, ps_devices: Sequence[str]):
@@ -51,25 +68,24 @@ def no_grad_node_config(var, ps_devices: Sequence[str]):
 
 
 class AllReduce(StrategyBuilder):
-    """Every variable all-reduced; ``group = index // chunk_size`` in variable order.
+    """Every variable all-reduced, in buckets filled in backward order (see :class:`ARConfig`).
 
     Args: as :class:`ARConfig`.
     """
 
-    def __init__(self, chunk_size: int = 128, all_reduce_spec: str = "AUTO",
-                 compressor: str = "NoneCompressor"):
-        self._ar = ARConfig(chunk_size, all_reduce_spec, compressor)
+    def __init__(self, chunk_size: Optional[int] = None, all_reduce_spec: str = "AUTO",
+                 compressor: str = "NoneCompressor",
+                 bucket_bytes: Optional[int] = common.DEFAULT_BUCKET_BYTES):
+        self._ar = ARConfig(chunk_size, all_reduce_spec, compressor, bucket_bytes)
 
     def build(self, graph_item, resource_spec) -> Strategy:
         strategy = common.new_strategy(resource_spec)
-        index = 0
-        for var in graph_item.trainable_variables:
-            if not var.has_grad:
-                strategy.node_config.append(
-                    no_grad_node_config(var, common.ps_device_names(resource_spec)))
-                continue
-            strategy.node_config.append(self._ar.node(var.name, index))
-            index += 1
+        variables = graph_item.trainable_variables
+        groups = self._ar.groups([(v.name, v, v.size_bytes) for v in variables if v.has_grad])
+        for var in variables:
+            strategy.node_config.append(
+                self._ar.node(var.name, groups[var.name]) if var.has_grad
+                else no_grad_node_config(var, common.ps_device_names(resource_spec)))
         return strategy
 
 
@@ -78,23 +94,25 @@ class PartitionedAR(StrategyBuilder):
 
     A variable whose split axis has size >= 2 gets
     ``min(num_partitions or max(2, num_replicas), size)`` parts (uneven sizes
-    allowed, see :func:`autodist.partition.partition_sizes`). Groups are assigned by chunk
-    over the sequence of all-reduced units (parts, or whole variables).
+    allowed, see :func:`autodist.partition.partition_sizes`). The all-reduced
+    units (parts, or whole variables) are bucketed as in :class:`ARConfig`.
 
     Args:
-        chunk_size: all-reduced units per group.
+        chunk_size: the most all-reduced units per bucket; None for no such cap.
         num_partitions: parts per variable; ``max(2, num_replicas)`` when None.
         all_reduce_spec: an ``AllReduceSynchronizer.Spec`` name.
         compressor: an ``AllReduceSynchronizer.Compressor`` name.
+        bucket_bytes: the most gradient bytes per bucket; None for no such cap.
 
     Raises:
-        ValueError: for a bad ``chunk_size``, ``num_partitions`` or enum name.
+        ValueError: for a bad cap, ``num_partitions`` or enum name.
     """
 
-    def __init__(self, chunk_size: int = 128, num_partitions: Optional[int] = None,
-                 all_reduce_spec: str = "AUTO", compressor: str = "NoneCompressor"):
+    def __init__(self, chunk_size: Optional[int] = None, num_partitions: Optional[int] = None,
+                 all_reduce_spec: str = "AUTO", compressor: str = "NoneCompressor",
+                 bucket_bytes: Optional[int] = common.DEFAULT_BUCKET_BYTES):
         common.check_int("num_partitions", num_partitions, allow_none=True)
-        self._ar = ARConfig(chunk_size, all_reduce_spec, compressor)
+        self._ar = ARConfig(chunk_size, all_reduce_spec, compressor, bucket_bytes)
         self._num_partitions = num_partitions
 
     def _choose_axis(self, shape: Sequence[int], rng: random.Random) -> Optional[int]:
@@ -110,26 +128,33 @@ class PartitionedAR(StrategyBuilder):
         num_replicas = len(strategy.replicas)
         # A fresh generator per build keeps build() pure and repeatable.
         rng = self._rng()
-        index = 0
+        cuts = {}  # variable name -> (split axis or None, its units' names)
+        units = []
         for var in graph_item.trainable_variables:
             if not var.has_grad:
-                strategy.node_config.append(
-                    no_grad_node_config(var, common.ps_device_names(resource_spec)))
                 continue
             shape = tuple(int(d) for d in var.shape)
             axis = self._choose_axis(shape, rng)
             k = 1 if axis is None else common.num_ar_partitions(
                 shape[axis], self._num_partitions, num_replicas)
             if k == 1:
-                strategy.node_config.append(self._ar.node(var.name, index))
-                index += 1
+                cuts[var.name] = (None, [var.name])
+                units.append((var.name, var, var.size_bytes))
                 continue
-            parts: List = []
-            for i in range(k):
-                parts.append(self._ar.node(partition.part_name(var.name, i), index))
-                index += 1
+            names = [partition.part_name(var.name, i) for i in range(k)]
+            cuts[var.name] = (axis, names)
+            units.extend(zip(names, [var] * k, common.part_sizes_bytes(var, axis, k)))
+        groups = self._ar.groups(units)
+        for var in graph_item.trainable_variables:
+            if var.name not in cuts:
+                strategy.node_config.append(
+                    no_grad_node_config(var, common.ps_device_names(resource_spec)))
+                continue
+            axis, names = cuts[var.name]
+            parts = [self._ar.node(name, groups[name]) for name in names]
             strategy.node_config.append(
-                common.partitioned_node_config(var.name, axis, len(shape), parts))
+                parts[0] if axis is None
+                else common.partitioned_node_config(var.name, axis, len(var.shape), parts))
         return strategy
 
 
@@ -141,20 +166,22 @@ class RandomAxisPartitionAR(PartitionedAR):
     graph always give the same strategy. Variables with no such axis stay whole.
 
     Args:
-        chunk_size: all-reduced units per group.
+        chunk_size: the most all-reduced units per bucket; None for no such cap.
         num_partitions: parts per variable; ``max(2, num_replicas)`` when None.
         seed: seed of the axis choice.
         all_reduce_spec: an ``AllReduceSynchronizer.Spec`` name.
         compressor: an ``AllReduceSynchronizer.Compressor`` name.
+        bucket_bytes: the most gradient bytes per bucket; None for no such cap.
 
     Raises:
-        ValueError: for a bad ``chunk_size``, ``num_partitions``, ``seed`` or enum name.
+        ValueError: for a bad cap, ``num_partitions``, ``seed`` or enum name.
     """
 
-    def __init__(self, chunk_size: int = 128, num_partitions: Optional[int] = None,
+    def __init__(self, chunk_size: Optional[int] = None, num_partitions: Optional[int] = None,
                  seed: int = 0, all_reduce_spec: str = "AUTO",
-                 compressor: str = "NoneCompressor"):
-        super().__init__(chunk_size, num_partitions, all_reduce_spec, compressor)
+                 compressor: str = "NoneCompressor",
+                 bucket_bytes: Optional[int] = common.DEFAULT_BUCKET_BYTES):
+        super().__init__(chunk_size, num_partitions, all_reduce_spec, compressor, bucket_bytes)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got seed={seed!r}.")
         self._seed = seed

@@ -264,6 +264,77 @@ def balanced_placement(items: Sequence[Tuple[Hashable, int]], devices: Sequence[
     return placement, loads
 
 
-def chunk_group(index: int, chunk_size: int) -> int:
-    """All-reduce group of the ``index``-th all-reduced unit: ``index // chunk_size``."""
-    return index // chunk_size
+DEFAULT_BUCKET_BYTES = 25 * 2 ** 20
+"""Bytes of gradients an all-reduce bucket (one collective group) holds by default: large
+enough that a collective's fixed cost is small next to its transfer, small enough that
+the first buckets go on the wire while the backward pass still computes the rest."""
+
+
+def check_bucket_args(bucket_bytes: Optional[int], chunk_size: Optional[int]) -> None:
+    """Validates the bucket caps of an all-reduce builder.
+
+    Raises:
+        ValueError: naming the argument, unless each is None or an integer >= 1.
+    """
+    check_int("bucket_bytes", bucket_bytes, allow_none=True)
+    check_int("chunk_size", chunk_size, allow_none=True)
+
+
+def byte_buckets(units: Sequence[Tuple[Hashable, int, int]], bucket_bytes: Optional[int],
+                 max_units: Optional[int] = None) -> Dict[Hashable, int]:
+    """Collective groups ("buckets") of all-reduced units, filled in backward order.
+
+    Units are taken in the order their gradients are ready (``ready_rank``, ties in
+    the given order); a bucket takes units until the next one would carry it past
+    ``bucket_bytes`` or it holds ``max_units`` units. A unit larger than the cap gets
+    a bucket of its own. So group 0 holds the gradients the backward pass computes
+    first, and its collective can start while the others are still computed.
+
+    Args:
+        units: ``(key, bytes, ready_rank)`` triples; a unit gathered rather than
+            reduced (a sparse gradient) has 0 bytes.
+        bucket_bytes: the byte cap, or None for no cap.
+        max_units: the cap on units per bucket, or None for no cap.
+
+    Returns:
+        key -> bucket number, from 0 in the order the buckets fill.
+    """
+    groups: Dict[Hashable, int] = {}
+    group, held, count = 0, 0, 0
+    for key, size, _ in sorted(units, key=operator.itemgetter(2)):
+        full = ((bucket_bytes is not None and held + size > bucket_bytes)
+                or (max_units is not None and count == max_units))
+        if count and full:
+            group, held, count = group + 1, 0, 0
+        groups[key] = group
+        held, count = held + size, count + 1
+    return groups
+
+
+def even_buckets(units: Sequence[Tuple[Hashable, int, int]], count: int) -> Dict[Hashable, int]:
+    """At most ``count`` buckets of about equal bytes, filled in backward order.
+
+    As :func:`byte_buckets`, units are taken in ``ready_rank`` order and each
+    bucket is a run of consecutive units; a unit joins the bucket its middle
+    byte falls in when the units' bytes are laid end to end and cut in
+    ``count`` equal lengths (empty buckets are dropped).
+
+    Args:
+        units: ``(key, bytes, ready_rank)`` triples.
+        count: the most buckets, at least 1.
+
+    Returns:
+        key -> bucket number, from 0 in the order the buckets fill.
+    """
+    ordered = sorted(units, key=operator.itemgetter(2))
+    total = sum(size for _, size, _ in ordered)
+    groups: Dict[Hashable, int] = {}
+    group, last, before = -1, -1, 0
+    for key, size, _ in ordered:
+        cut = min(count - 1, int(count * (before + size / 2) / total)) if total else 0
+        if cut != last:
+            group, last = group + 1, cut
+        groups[key] = group
+        before += size
+    return groups
+

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 from autodist.strategy import common
 from autodist.strategy.all_reduce_builders import ARConfig, no_grad_node_config
@@ -15,37 +16,42 @@ class ShardedUpdateAR(StrategyBuilder):
     a ``ShardedUpdateSynchronizer``: each replica keeps the optimizer's slots of
     its own shard only and updates that shard. A sparse gradient, or a variable
     too small to give every replica a shard, falls back to an
-    ``AllReduceSynchronizer``, which the strategy records. Groups are
-    ``index // chunk_size`` over the variables of each kind, in variable order.
+    ``AllReduceSynchronizer``, which the strategy records. Each kind's variables
+    are bucketed on their own, filled in backward order (see :class:`ARConfig`).
 
     Args:
-        chunk_size: consecutive variables of one kind merged into one collective group.
+        chunk_size: the most variables per bucket; None for no such cap.
+        bucket_bytes: the most gradient bytes per bucket; None for no such cap.
 
     Raises:
-        ValueError: if ``chunk_size < 1``.
+        ValueError: for a bad cap.
     """
 
-    def __init__(self, chunk_size: int = 128):
-        self._ar = ARConfig(chunk_size)
-        self.chunk_size = self._ar.chunk_size
+    def __init__(self, chunk_size: Optional[int] = None,
+                 bucket_bytes: Optional[int] = common.DEFAULT_BUCKET_BYTES):
+        self._ar = ARConfig(chunk_size, bucket_bytes=bucket_bytes)
 
     def build(self, graph_item, resource_spec) -> Strategy:
         strategy = common.new_strategy(resource_spec)
         replicas = len(strategy.replicas)
-        sharded = fallback = 0
-        for var in graph_item.trainable_variables:
-            if not var.has_grad:
+        variables = graph_item.trainable_variables
+        fallback = {v.name for v in variables
+                    if v.sparse_grad or math.prod(map(int, v.shape)) < replicas}
+        sharded = self._ar.groups([(v.name, v, v.size_bytes) for v in variables
+                                   if v.has_grad and v.name not in fallback])
+        all_reduced = self._ar.groups([(v.name, v, v.size_bytes) for v in variables
+                                       if v.has_grad and v.name in fallback])
+        for var in variables:
+            if var.name in sharded:
+                node = strategy.node_config.add(var_name=var.name)
+                node.ShardedUpdateSynchronizer.group = sharded[var.name]
+            elif var.name in all_reduced:
+                strategy.node_config.append(self._ar.node(var.name, all_reduced[var.name]))
+            else:
                 strategy.node_config.append(
                     no_grad_node_config(var, common.ps_device_names(resource_spec)))
-            elif var.sparse_grad or math.prod(map(int, var.shape)) < replicas:
-                strategy.node_config.append(self._ar.node(var.name, fallback))
-                fallback += 1
-            else:
-                node = strategy.node_config.add(var_name=var.name)
-                node.ShardedUpdateSynchronizer.group = common.chunk_group(sharded,
-                                                                          self.chunk_size)
-                sharded += 1
         return strategy
 
     def __repr__(self) -> str:
-        return f"ShardedUpdateAR(chunk_size={self.chunk_size!r})"
+        return (f"ShardedUpdateAR(chunk_size={self._ar.chunk_size!r}, "
+                f"bucket_bytes={self._ar.bucket_bytes!r})")
