@@ -15,9 +15,11 @@ kind, and other shares are 0 or 1 a quarter of the time each
 almost never makes all of them choose alike, and such pure choices (every
 dense variable on PS, each behind a proxy) are often the fastest.
 
-The structure is never random where a rule does better: each kind places or
-groups its units with :func:`common.balanced_placement` (PS servers, AllReduce
-groups), so servers and groups carry balanced bytes.
+The structure is never random where a rule does better: PS places its units
+with :func:`common.balanced_placement`, so servers carry balanced bytes, and
+the collective kinds cut their units, in the order the backward pass computes
+their gradients, into buckets of about equal bytes (:func:`common.even_buckets`),
+so the first bucket can be reduced while the backward pass goes on.
 """
 from __future__ import annotations
 

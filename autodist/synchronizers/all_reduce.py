@@ -347,8 +347,8 @@ class _AllReduceSampling(KindSampling):
                       draw_share(rng) if c.allow_fp16 else 0.0)
 
     def configs(self, units: list, knobs: _Knobs, rng: random.Random) -> Dict[str, object]:
-        """Groups of balanced bytes (:func:`balanced_groups`); a group's compressor is
-        drawn once for all its units."""
+        """Buckets of about equal bytes in backward order (:func:`balanced_groups`); a
+        group's compressor is drawn once for all its units."""
         groups, dtypes = balanced_groups(units, knobs.groups)
         compressors: Dict[int, str] = {}
         for group, dtype in dtypes.items():

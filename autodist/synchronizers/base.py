@@ -191,9 +191,10 @@ def balanced_groups(units: list, groups_per_dtype: int) -> Tuple[Dict[str, int],
     """Unit name -> collective group for ``units``, and group -> its dtype.
 
     A group's dense gradients share one buffer, so groups never mix dtypes: each
-    dtype gets up to ``groups_per_dtype`` groups carrying balanced bytes,
-    numbered on from the previous dtype's. Sparse units are gathered one by one
-    whatever their group; they join group 0.
+    dtype's units, in the order the backward pass computes their gradients, are
+    cut into up to ``groups_per_dtype`` buckets of about equal bytes
+    (:func:`common.even_buckets`), numbered on from the previous dtype's. Sparse
+    units are gathered one by one whatever their group; they join group 0.
 
     Args:
         units: ``(var, plan)`` pairs of a sampler (``KindSampling.configs``).
@@ -204,14 +205,16 @@ def balanced_groups(units: list, groups_per_dtype: int) -> Tuple[Dict[str, int],
         if var.sparse_grad:
             groups.update((name, 0) for name in plan.names)
         else:
-            by_dtype.setdefault(var.dtype, []).extend(zip(plan.names, plan.sizes))
+            by_dtype.setdefault(var.dtype, []).extend(
+                (name, size, var.ready_rank) for name, size in zip(plan.names, plan.sizes))
     dtypes: Dict[int, str] = {}
     next_group = 0
     for dtype, items in by_dtype.items():
-        ids = list(range(next_group, next_group + min(groups_per_dtype, len(items))))
-        groups.update(common.balanced_placement(items, ids)[0])
-        dtypes.update((group, dtype) for group in ids)
-        next_group = ids[-1] + 1
+        buckets = common.even_buckets(items, groups_per_dtype)
+        groups.update((name, next_group + bucket) for name, bucket in buckets.items())
+        count = max(buckets.values()) + 1
+        dtypes.update((group, dtype) for group in range(next_group, next_group + count))
+        next_group += count
     return groups, dtypes
 
 

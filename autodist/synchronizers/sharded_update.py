@@ -313,7 +313,7 @@ class _Knobs:
 
 
 class _ShardedSampling(KindSampling):
-    """The sampler's sharded-update choices: how many groups; balanced groups.
+    """The sampler's sharded-update choices: how many groups; buckets of about equal bytes.
 
     Only dense variables large enough that any cut of them leaves every
     replica a shard.
