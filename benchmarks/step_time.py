@@ -442,14 +442,17 @@ def _findings(rows: list, floor_rows: list, args, nbytes: int) -> list:
         overhead = default["median_s"] / raw["median_s"] - 1
         lead = ("AutoDist adds little to TensorFlow's own collective" if overhead < 0.1 else
                 f"AutoDist is {overhead:.0%} slower than TensorFlow's own collective")
+        buckets = collectives(GOAL_BUILDER, args.vars, nbytes // args.vars, n)
         out.append(
-            f"{lead}: default `AllReduce` (all {args.vars} gradients in one "
-            f"{nbytes / 1e6:.1f} MB `CollectiveReduceV2`) {default['median_s']:.3f} s, the same "
-            f"collective in bare TF (`{RAW}`) {raw['median_s']:.3f} s. Bare TF makes one ring "
+            f"{lead}: default `AllReduce` ({nbytes / 1e6:.1f} MB of gradients in {buckets} "
+            f"bucket(s) of at most 25 MiB, one `CollectiveReduceV2` each) "
+            f"{default['median_s']:.3f} s, one collective of all the bytes in bare TF "
+            f"(`{RAW}`) {raw['median_s']:.3f} s. Bare TF makes one ring "
             f"pass, each of its 2(n-1) = {2 * (n - 1)} steps copying a whole {chunk_mb:.1f} MB "
             f"chunk (of {n}) before forwarding it; AutoDist's 4 sub-rings per device overlap "
             f"([why]({NOTES}#where-the-time-goes)).")
-    split = [r for r in rows if "median_s" in r and _is_split(r["builder"], args.vars, n)]
+    split = [r for r in rows if "median_s" in r
+             and _is_split(r["builder"], args.vars, nbytes // args.vars, n)]
     if split:
         best = min(split, key=lambda r: r["median_s"])
         figures = ", ".join(f"`{r['builder']}` {r['median_s']:.3f} s ({r['ratio']:.2f}x)"
@@ -487,16 +490,30 @@ def _is_all_reduce(builder: str) -> bool:
         and wire_fraction(kwargs) == 1.0 and kwargs.get("dtype") != "float16"
 
 
-def _is_split(builder: str, num_vars: int, num_replicas: int) -> bool:
+def collectives(builder: str, num_vars: int, var_bytes: int, num_replicas: int) -> int:
+    """How many dense collectives an all-reduce builder launches for the model.
+
+    The model's variables are alike, so their order does not matter: the builder's
+    buckets (``bucket_bytes``, ``chunk_size``) over its units (variables, or parts).
+    """
+    from autodist.strategy import common
+    name, kwargs = parse_builder(builder)
+    parts = 1 if name in ("AllReduce", "Parallax") else \
+        int(kwargs.get("num_partitions") or max(2, num_replicas))
+    units = [(i, var_bytes // parts, 0) for i in range(num_vars * parts)]
+    buckets = common.byte_buckets(units, kwargs.get("bucket_bytes", common.DEFAULT_BUCKET_BYTES),
+                                  kwargs.get("chunk_size"))
+    return max(buckets.values()) + 1
+
+
+def _is_split(builder: str, num_vars: int, var_bytes: int, num_replicas: int) -> bool:
     """Whether an uncompressed all-reduce case uses several collectives (or sub-rings)."""
     if not _is_all_reduce(builder):
         return False
     name, kwargs = parse_builder(builder)
     if name == RAW:
         return int(kwargs.get("chunks", 1)) > 1 or int(kwargs.get("subdivs", -1)) != -1
-    parts = 1 if name in ("AllReduce", "Parallax") else \
-        int(kwargs.get("num_partitions") or max(2, num_replicas))
-    return int(kwargs.get("chunk_size", 128)) < num_vars * parts
+    return collectives(builder, num_vars, var_bytes, num_replicas) > 1
 
 
 def format_markdown(rows: list, floor_rows: list, info: dict, args, nbytes: int,
