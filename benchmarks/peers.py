@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -381,6 +382,7 @@ def main(argv=None) -> int:
         parser.error("nothing to run: give at least one of --builders and --systems.")
     args.settings = [s for s in SETTINGS if s in args.settings]
     args.horovod_error = None
+    signal.signal(signal.SIGTERM, _interrupted)  # cleaned up as after Ctrl-C
     try:
         if HOROVOD in args.systems or args.setup_only:
             try:
@@ -394,8 +396,13 @@ def main(argv=None) -> int:
             return 0
         return _run(parser, args)
     except KeyboardInterrupt:
-        print("\ninterrupted; every job was stopped and the cluster removed", file=sys.stderr)
+        print("\ninterrupted; every process this run started was stopped and any cluster removed",
+              file=sys.stderr)
         return 130
+
+
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _run(parser, args) -> int:
