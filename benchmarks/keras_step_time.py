@@ -90,6 +90,8 @@ PAR_RATIO = 0.9
 MWMS_PORT = 15710
 """First port of the MultiWorkerMirroredStrategy workers; each run takes the next one."""
 _RESULT_TAG = "KERAS_STEP_RESULT "
+_CPU_TAG = "KERAS_STEP_CPU "
+"""Every process of a job prints one line with this tag: its own CPU seconds per timed step."""
 
 
 # --------------------------------------------------------------------------- the jobs
@@ -101,18 +103,24 @@ def _limit_threads() -> None:
     tf.config.threading.set_inter_op_parallelism_threads(int(os.environ["AUTODIST_INTER_OP_THREADS"]))
 
 
-def _build_model(sequential=None):
+def _build_model(sequential=None, wrap_optimizer=None):
     """The MLP, compiled with SGD and a cross-entropy from logits (call inside a scope).
+
+    Only the API Keras 2 and Keras 3 share, so a peer running TensorFlow 2.15's
+    Keras 2 (``peers.py``'s Horovod job) builds the same model.
 
     Args:
         sequential: the model class, ``keras.Sequential`` unless given.
+        wrap_optimizer: called on the SGD optimizer, its result compiled in
+            (e.g. ``hvd.DistributedOptimizer``); the optimizer itself unless given.
     """
     import keras
     layers = ([keras.Input((LAYERS[0],))] +
               [keras.layers.Dense(n, activation="relu") for n in LAYERS[1:-1]] +
               [keras.layers.Dense(LAYERS[-1])])
     model = (sequential or keras.Sequential)(layers)
-    model.compile(optimizer=keras.optimizers.SGD(0.01),
+    optimizer = keras.optimizers.SGD(0.01)
+    model.compile(optimizer=wrap_optimizer(optimizer) if wrap_optimizer else optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
 
@@ -125,22 +133,36 @@ def _data(seed: int, rows: int):
             rng.randint(0, LAYERS[-1], size=rows).astype(np.int32))
 
 
+def _process_cpu_s() -> float:
+    """CPU seconds (user + system) this process has used, all its threads included."""
+    times = os.times()
+    return times.user + times.system
+
+
 def _timer(warmup: int):
-    """A callback timing every batch from ``on_train_batch_begin`` to ``on_train_batch_end``."""
+    """A callback timing every batch from ``on_train_batch_begin`` to ``on_train_batch_end``.
+
+    It also takes the process's CPU time from the first timed batch's begin to the
+    last one's end (``cpu_s``), the work of every thread of the process.
+    """
     import keras
 
     class BatchTimer(keras.callbacks.Callback):
         def __init__(self):
             super().__init__()
             self.times, self.losses, self._start = [], [], 0.0
+            self.cpu_s, self._cpu_start = 0.0, None
 
         def on_train_batch_begin(self, batch, logs=None):
+            if batch == warmup:
+                self._cpu_start = _process_cpu_s()
             self._start = time.perf_counter()
 
         def on_train_batch_end(self, batch, logs=None):
             elapsed = time.perf_counter() - self._start
             if batch >= warmup:
                 self.times.append(elapsed)
+                self.cpu_s = _process_cpu_s() - self._cpu_start
             self.losses.append(float((logs or {}).get("loss", float("nan"))))
 
     return BatchTimer()
@@ -150,6 +172,13 @@ def _print_result(system: str, timer) -> None:
     print(_RESULT_TAG + json.dumps({
         "system": system, "median_s": statistics.median(timer.times), "times": timer.times,
         "first_loss": timer.losses[0], "last_loss": timer.losses[-1]}), flush=True)
+
+
+def _print_cpu(system: str, process: int, timer) -> None:
+    """This process's CPU seconds per timed step (every process of a job prints one)."""
+    print(_CPU_TAG + json.dumps({"system": system, "process": process,
+                                 "cpu_s_per_step": timer.cpu_s / max(1, len(timer.times))}),
+          flush=True)
 
 
 def job_autodist(spec: str, builder: str, warmup: int, timed: int) -> None:
@@ -173,6 +202,7 @@ def job_autodist(spec: str, builder: str, warmup: int, timed: int) -> None:
         model = _build_model()
     timer = _timer(warmup)
     model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False, callbacks=[timer])
+    _print_cpu(builder, ad.node_index, timer)  # a worker's stdout is the chief's
     if ad.is_chief:
         _print_result(builder, timer)
 
@@ -193,6 +223,7 @@ def job_mirrored(warmup: int, timed: int) -> None:
         model = _build_model()
     timer = _timer(warmup)
     model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False, callbacks=[timer])
+    _print_cpu(PEERS["one_node"], 0, timer)
     _print_result(PEERS["one_node"], timer)
 
 
@@ -259,6 +290,7 @@ def job_mwms(warmup: int, timed: int) -> None:
         model = _build_model(_mwms_sequential())
     timer = _timer(warmup)
     model.fit(dataset, epochs=1, verbose=0, shuffle=False, callbacks=[timer])
+    _print_cpu(PEERS["cluster"], task, timer)
     if task == 0:
         _print_result(PEERS["cluster"], timer)
 
@@ -313,11 +345,20 @@ def _collect(procs: list, timeout: float) -> list:
 
 
 def _result(system: str, outputs: list) -> dict:
-    """The result line of the first process's stdout, or an error row quoting stderr."""
+    """The result line of the first process's stdout, or an error row quoting stderr.
+
+    The row's ``cpu_s_per_step`` lists the CPU line of every process that printed
+    one (an AutoDist worker prints on its chief's stdout), in process order.
+    """
     code, out, _ = outputs[0]
     for line in out.splitlines():
         if line.startswith(_RESULT_TAG):
-            return json.loads(line[len(_RESULT_TAG):])
+            row = json.loads(line[len(_RESULT_TAG):])
+            cpu = [json.loads(l[len(_CPU_TAG):]) for _, o, _ in outputs
+                   for l in (o or "").splitlines() if l.startswith(_CPU_TAG)]
+            row["cpu_s_per_step"] = [c["cpu_s_per_step"]
+                                     for c in sorted(cpu, key=lambda c: c["process"])]
+            return row
     for i, (c, o, e) in enumerate(outputs):
         sys.stderr.write(f"--- {system}, process {i} (exit {c}):\n{o[-2000:]}\n{e[-6000:]}\n")
     lines = [l for l in outputs[0][2].splitlines() if l.strip()]
@@ -345,17 +386,25 @@ def run_cluster(system: str, spec: str, cluster, args, port: int) -> dict:
     return _result(system, _collect(procs, args.timeout))
 
 
-def run_rounds(setting: str, systems: list, run, rounds: int) -> dict:
-    """Runs every system once per round, rounds interleaved; system -> list of job results."""
+def run_rounds(setting: str, systems: list, run, rounds: int, rotate: bool = False) -> dict:
+    """Runs every system once per round, rounds interleaved; system -> list of job results.
+
+    With ``rotate``, round r starts at the r-th system (in the given order), so no
+    system always runs first, or always right after the same other one.
+    """
     results = {s: [] for s in systems}
     for r in range(rounds):
-        for system in systems:
+        shift = r % len(systems) if rotate else 0
+        for system in systems[shift:] + systems[:shift]:
             start = time.perf_counter()
             row = run(system)
             row["job_s"] = time.perf_counter() - start
             results[system].append(row)
             status = (f"median {row['median_s'] * 1e3:.1f} ms, loss {row['first_loss']:.3f} -> "
                       f"{row['last_loss']:.3f}" if "median_s" in row else f"FAILED: {row['error']}")
+            if row.get("cpu_s_per_step"):
+                status += (", CPU s/step per process " +
+                           " ".join(f"{c:.3f}" for c in row["cpu_s_per_step"]))
             print(f"[{setting} round {r + 1}/{rounds}] {system}: {status} "
                   f"(job {row['job_s']:.0f} s, load {os.getloadavg()[0]:.1f})", flush=True)
     return results

@@ -46,6 +46,8 @@ SECTIONS = (
      "keras-fit-step-time-vs-tfdistribute-keras_step_time"),
     ("Sharded update vs. AllReduce with Adam (`sharded_update`)",
      "sharded-update-vs-allreduce-with-adam-sharded_update"),
+    ("AutoDist vs. Horovod and MultiWorkerMirroredStrategy (`peers`)",
+     "autodist-vs-horovod-and-multiworkermirroredstrategy-peers"),
 )
 
 HEADER = "\n".join([
