@@ -254,8 +254,8 @@ class AutoDist:
     def _kernel_context(self, item: GraphItem, compiled: CompiledStrategy,
                         tf_devices: dict) -> KernelContext:
         spec, role, strategy = self._resource_spec, self._role, compiled.strategy
-        kinds = {part.kind for variable in compiled.variables.values()
-                 for part in variable.parts if variable.info.has_grad}
+        synchronized = [part for variable in compiled.variables.values()
+                        for part in variable.parts if variable.info.has_grad]
         local = tuple(r for r in strategy.replicas
                       if DeviceSpec.from_string(r).host_address == role.address)
         cpu = {d.host_address: d.name_string() for d in spec.ps_devices}
@@ -265,8 +265,12 @@ class AutoDist:
                              node_index=role.task_index, num_nodes=len(spec.nodes),
                              group_size=len(strategy.replicas),
                              all_replicas=tuple(strategy.replicas),
-                             has_collectives=any(kind.collective for kind in kinds),
-                             has_remote_ops=any(kind.remote_ops for kind in kinds),
+                             node_devices=tuple(tf_devices[cpu[node]]
+                                                for node in runtime.ordered_nodes(spec)),
+                             has_collectives=any(p.kind.uses_collectives(p.synchronizer)
+                                                 for p in synchronized),
+                             has_remote_ops=any(p.kind.uses_remote_ops(p.synchronizer)
+                                                for p in synchronized),
                              state_per_node=item.state_per_node)
 
     def _config(self, user_config) -> tf.compat.v1.ConfigProto:

@@ -23,10 +23,12 @@ class KernelContext:
         group_size: replicas in the whole cluster (0: this node's replicas).
         all_replicas: strategy device strings of every replica of the cluster,
             in the strategy's order (empty: this node's replicas).
-        has_collectives: parts with a gradient are of a kind that reduces
-            through collectives (``SynchronizerKind.collective``).
-        has_remote_ops: parts with a gradient are of a kind whose step runs ops
-            on other nodes' devices (``SynchronizerKind.remote_ops``).
+        node_devices: every node's device for shared ops, in node order (empty:
+            this node's ``shared_device`` alone).
+        has_collectives: parts with a gradient reduce through collectives
+            (``SynchronizerKind.uses_collectives``).
+        has_remote_ops: parts with a gradient run ops on other nodes' devices
+            (``SynchronizerKind.uses_remote_ops``).
         state_per_node: keep the non-trainable variables per node even where a
             cluster could keep one copy on the chief (a Keras model's metrics
             and batch-norm statistics, which every node's model reads back).
@@ -42,6 +44,7 @@ class KernelContext:
     num_nodes: int = 1
     group_size: int = 0
     all_replicas: tuple = ()
+    node_devices: tuple = ()
     has_collectives: bool = False
     has_remote_ops: bool = False
     state_per_node: bool = False
@@ -96,6 +99,11 @@ class KernelContext:
     def variable_device(self) -> str:
         """Where the shared non-trainable variables live."""
         return self.chief_device if self.shared_variables_on_chief else self.shared_device
+
+    @property
+    def nodes(self) -> tuple:
+        """Every node's device for shared ops, in node order."""
+        return self.node_devices or (self.shared_device,)
 
     def tf_device(self, device: str) -> str:
         """TensorFlow device name of a strategy device string."""

@@ -29,7 +29,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from autodist.strategy import PartitionedPS  # noqa: E402
+from autodist.strategy import AllReduce, PartitionedPS  # noqa: E402
 from autodist.strategy.base import StrategyBuilder  # noqa: E402
 
 ROWS_PER_REPLICA = 4
@@ -124,6 +124,24 @@ class SummedPerNodePS(StrategyBuilder):
         return strategy
 
 
+class HalfScatterGather(StrategyBuilder):
+    """AllReduce, one variable per group, every other group meeting by scatter-gather: a
+    step with collectives and sends to other nodes, which runs in two runs."""
+
+    def build(self, graph_item, resource_spec):
+        from autodist.proto import synchronizers_pb2
+        strategy = AllReduce(chunk_size=1).build(graph_item, resource_spec)
+        for node in strategy.node_config:
+            sync = node.AllReduceSynchronizer
+            if sync.group % 2:
+                sync.spec = synchronizers_pb2.AllReduceSynchronizer.SCATTER_GATHER
+        return strategy
+
+
+SCATTER_GATHER_SUFFIX = "-scatter_gather"
+"""A builder name with this suffix: the builder with ``all_reduce_spec="SCATTER_GATHER"``."""
+
+
 def main() -> None:
     from autodist import AutoDist
     from autodist.checkpoint import Saver
@@ -166,6 +184,11 @@ def main() -> None:
                                progress=False)
     elif args.builder == "SummedPerNodePS":
         builder = SummedPerNodePS()
+    elif args.builder == "HalfScatterGather":
+        builder = HalfScatterGather()
+    elif args.builder.endswith(SCATTER_GATHER_SUFFIX):
+        builder = get_builder(args.builder[:-len(SCATTER_GATHER_SUFFIX)],
+                              all_reduce_spec="SCATTER_GATHER")
     else:
         builder = get_builder(args.builder)
     ad = AutoDist(args.spec, builder, accumulation_steps=args.accumulation_steps)

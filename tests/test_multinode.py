@@ -58,7 +58,9 @@ def _assert_no_job_left():
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("builder", ["PS", "PartitionedPS", "AllReduce", "Parallax"])
+@pytest.mark.parametrize("builder", ["PS", "PartitionedPS", "AllReduce", "Parallax",
+                                     "AllReduce-scatter_gather", "Parallax-scatter_gather",
+                                     "HalfScatterGather"])
 @pytest.mark.parametrize("cluster_name", ["two_nodes", "three_nodes"])
 def test_cluster_training_equals_single_device(request, tmp_path, cluster_name, builder):
     cluster, spec = request.getfixturevalue(cluster_name)
@@ -83,7 +85,8 @@ def _assert_all_variables_equal(out, want: dict) -> None:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("accumulation_steps", [1, 2, 4])
-@pytest.mark.parametrize("builder", sorted(BUILDERS))
+@pytest.mark.parametrize("builder", sorted(BUILDERS) + ["AllReduce-scatter_gather",
+                                                        "Parallax-scatter_gather"])
 def test_accumulated_gradients_and_every_global_variable_equal_one_device(
         two_nodes, tmp_path, builder, accumulation_steps):
     # 4 runs, each feeding another global batch (but with k = 1: the same one):

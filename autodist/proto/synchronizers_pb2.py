@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"autodist/proto/synchronizers.proto\x12\x0e\x61utodist.proto\"\x89\x01\n\x0ePSSynchronizer\x12\x1d\n\x15reduction_destination\x18\x01 \x01(\t\x12\x19\n\x11local_replication\x18\x02 \x01(\x08\x12\x0c\n\x04sync\x18\x03 \x01(\x08\x12\x11\n\tstaleness\x18\x04 \x01(\x05\x12\x1c\n\x14transfer_destination\x18\x05 \x01(\t\"\x9e\x02\n\x15\x41llReduceSynchronizer\x12\x38\n\x04spec\x18\x01 \x01(\x0e\x32*.autodist.proto.AllReduceSynchronizer.Spec\x12\x44\n\ncompressor\x18\x02 \x01(\x0e\x32\x30.autodist.proto.AllReduceSynchronizer.Compressor\x12\r\n\x05group\x18\x03 \x01(\x05\"$\n\x04Spec\x12\x08\n\x04\x41UTO\x10\x00\x12\x08\n\x04NCCL\x10\x01\x12\x08\n\x04RING\x10\x02\"P\n\nCompressor\x12\x12\n\x0eNoneCompressor\x10\x00\x12\x15\n\x11HorovodCompressor\x10\x01\x12\x17\n\x13HorovodCompressorEF\x10\x02\"*\n\x19ShardedUpdateSynchronizer\x12\r\n\x05group\x18\x01 \x01(\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"autodist/proto/synchronizers.proto\x12\x0e\x61utodist.proto\"\x89\x01\n\x0ePSSynchronizer\x12\x1d\n\x15reduction_destination\x18\x01 \x01(\t\x12\x19\n\x11local_replication\x18\x02 \x01(\x08\x12\x0c\n\x04sync\x18\x03 \x01(\x08\x12\x11\n\tstaleness\x18\x04 \x01(\x05\x12\x1c\n\x14transfer_destination\x18\x05 \x01(\t\"\xb2\x02\n\x15\x41llReduceSynchronizer\x12\x38\n\x04spec\x18\x01 \x01(\x0e\x32*.autodist.proto.AllReduceSynchronizer.Spec\x12\x44\n\ncompressor\x18\x02 \x01(\x0e\x32\x30.autodist.proto.AllReduceSynchronizer.Compressor\x12\r\n\x05group\x18\x03 \x01(\x05\"8\n\x04Spec\x12\x08\n\x04\x41UTO\x10\x00\x12\x08\n\x04NCCL\x10\x01\x12\x08\n\x04RING\x10\x02\x12\x12\n\x0eSCATTER_GATHER\x10\x03\"P\n\nCompressor\x12\x12\n\x0eNoneCompressor\x10\x00\x12\x15\n\x11HorovodCompressor\x10\x01\x12\x17\n\x13HorovodCompressorEF\x10\x02\"*\n\x19ShardedUpdateSynchronizer\x12\r\n\x05group\x18\x01 \x01(\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,11 +34,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PSSYNCHRONIZER']._serialized_start=55
   _globals['_PSSYNCHRONIZER']._serialized_end=192
   _globals['_ALLREDUCESYNCHRONIZER']._serialized_start=195
-  _globals['_ALLREDUCESYNCHRONIZER']._serialized_end=481
+  _globals['_ALLREDUCESYNCHRONIZER']._serialized_end=501
   _globals['_ALLREDUCESYNCHRONIZER_SPEC']._serialized_start=363
-  _globals['_ALLREDUCESYNCHRONIZER_SPEC']._serialized_end=399
-  _globals['_ALLREDUCESYNCHRONIZER_COMPRESSOR']._serialized_start=401
-  _globals['_ALLREDUCESYNCHRONIZER_COMPRESSOR']._serialized_end=481
-  _globals['_SHARDEDUPDATESYNCHRONIZER']._serialized_start=483
-  _globals['_SHARDEDUPDATESYNCHRONIZER']._serialized_end=525
+  _globals['_ALLREDUCESYNCHRONIZER_SPEC']._serialized_end=419
+  _globals['_ALLREDUCESYNCHRONIZER_COMPRESSOR']._serialized_start=421
+  _globals['_ALLREDUCESYNCHRONIZER_COMPRESSOR']._serialized_end=501
+  _globals['_SHARDEDUPDATESYNCHRONIZER']._serialized_start=503
+  _globals['_SHARDEDUPDATESYNCHRONIZER']._serialized_end=545
 # @@protoc_insertion_point(module_scope)

@@ -5,7 +5,8 @@ replica and reduced by a single TensorFlow collective (mean), then split back;
 a group mixing dtypes (a mixed-precision model) has one buffer per dtype.
 Sparse gradients are all-gathered (values and indices), which keeps them sparse.
 Collective keys are derived from the strategy alone, so every node of a cluster
-computes the same ones.
+computes the same ones. A group whose spec is ``SCATTER_GATHER`` meets without
+collective ops instead (``scatter_gather.py``).
 
 A node's replicas share its one copy of each part (on the node's CPU; CPU
 replicas share the host's memory): the collective leaves the same mean on every
@@ -28,12 +29,13 @@ from autodist.network import ClusterView, in_order_sum, seconds
 from autodist.proto import synchronizers_pb2
 from autodist.strategy import common
 from autodist.strategy.base import StrategyError
+from autodist.synchronizers import scatter_gather
 from autodist.synchronizers.base import (COLLECTIVE_GROUP_KEY, RING_SUBDIVISIONS,
                                          CollectiveKeys, KindCost, KindSampling, Member,
                                          Ownership, PartStorage, Reduced,
                                          SynchronizerKind, balanced_groups, collective_numbers,
-                                         draw_group_count, draw_share, launch_order,
-                                         most_groups)
+                                         dense_by_dtype, draw_group_count, draw_share, flatten,
+                                         launch_order, most_groups, unflatten)
 from autodist.synchronizers.compressor import LOSSY, compressor_class
 
 _CONFIG = synchronizers_pb2.AllReduceSynchronizer
@@ -44,7 +46,15 @@ class AllReduceSynchronizer(SynchronizerKind):
 
     field = "AllReduceSynchronizer"
     feature_name = "all_reduce"
-    collective = True
+    collective = True  # the default spec's; see uses_collectives
+
+    @classmethod
+    def uses_collectives(cls, config) -> bool:
+        return config.spec != _CONFIG.SCATTER_GATHER
+
+    @classmethod
+    def uses_remote_ops(cls, config) -> bool:
+        return config.spec == _CONFIG.SCATTER_GATHER
 
     # ------------------------------------------------------------ what the search asks
 
@@ -133,26 +143,29 @@ class AllReduceSynchronizer(SynchronizerKind):
 
     @classmethod
     def check_variables(cls, variables: list, strategy_id: str, num_replicas: int) -> None:
-        """A group's dense gradients share one buffer, so its parts must agree on the compressor.
+        """A group's dense gradients share one buffer, so its parts must agree on the
+        compressor and the spec.
 
         Sparse gradients are gathered one by one, uncompressed, whatever their group.
         """
-        compressors = {}  # group -> {compressor -> a part name}
-        for variable in variables:
-            if not variable.info.has_grad or variable.info.sparse_grad:
-                continue
-            for part in variable.parts:
-                if part.kind is cls:
-                    sync = part.synchronizer
-                    compressors.setdefault(sync.group, {}).setdefault(sync.compressor, part.name)
-        for group, names in sorted(compressors.items()):
-            if len(names) > 1:
-                found = ", ".join(f"'{name}' {_CONFIG.Compressor.Name(value)}"
-                                  for value, name in sorted(names.items()))
-                raise StrategyError(
-                    f"Strategy {strategy_id}: all-reduce group {group} mixes compressors "
-                    f"({found}); a group's gradients share one buffer, so give them one "
-                    "compressor or separate groups.")
+        for field, enum in (("compressor", _CONFIG.Compressor), ("spec", _CONFIG.Spec)):
+            found = {}  # group -> {value -> a part name}
+            for variable in variables:
+                if not variable.info.has_grad or variable.info.sparse_grad:
+                    continue
+                for part in variable.parts:
+                    if part.kind is cls:
+                        sync = part.synchronizer
+                        found.setdefault(sync.group, {}).setdefault(getattr(sync, field),
+                                                                    part.name)
+            for group, names in sorted(found.items()):
+                if len(names) > 1:
+                    listed = ", ".join(f"'{name}' {enum.Name(value)}"
+                                       for value, name in sorted(names.items()))
+                    raise StrategyError(
+                        f"Strategy {strategy_id}: all-reduce group {group} mixes {field}s "
+                        f"({listed}); a group's gradients share one buffer, so give them one "
+                        f"{field} or separate groups.")
 
     def create_storage(self, part, initial_value: tf.Tensor) -> PartStorage:
         copy, origin = create_all_reduce_storage(part.name, initial_value, self.ctx)
@@ -170,11 +183,19 @@ class AllReduceSynchronizer(SynchronizerKind):
             groups.setdefault(member.storage.part.synchronizer.group, []).append(member)
         for group in sorted(groups):
             grouped = groups[group]
-            means, others = all_reduce_group(
-                [(m.storage.part.name, m.storage.part.synchronizer, m.grads) for m in grouped],
-                self.keys, self.ctx)
-            out.local_updates.extend(m.update(mean) for m, mean in zip(grouped, means))
-            out.local_ops.extend(others)
+            entries = [(m.storage.part.name, m.storage.part.synchronizer, m.grads)
+                       for m in grouped]
+            if grouped[0].storage.part.synchronizer.spec == _CONFIG.SCATTER_GATHER:
+                means, stores, sends = scatter_gather.reduce_group(entries, self.keys, self.ctx)
+                out.local_ops.extend(stores)
+                out.remote_ops.extend(sends)
+                # A split step's second run exchanges what its first run stored.
+                updates = out.remote_updates if self.ctx.split_step else out.local_updates
+            else:
+                means, others = all_reduce_group(entries, self.keys, self.ctx)
+                out.local_ops.extend(others)
+                updates = out.local_updates
+            updates.extend(m.update(mean) for m, mean in zip(grouped, means))
         return out
 
 
@@ -211,11 +232,7 @@ def all_reduce_group(members: list, keys: CollectiveKeys, ctx: KernelContext) ->
     group_size = ctx.total_replicas
     means = [None] * len(members)
     others = []
-    by_dtype = {}  # one buffer, so one collective, per dtype; in the members' order
-    for i, (_, _, grads) in enumerate(members):
-        if not isinstance(grads[0], tf.IndexedSlices):
-            by_dtype.setdefault(grads[0].dtype, []).append(i)
-    for dense in by_dtype.values():
+    for dense in dense_by_dtype(members):
         key = keys.take()
         name, sync, _ = members[dense[0]]
         for replica in range(ctx.num_replicas):
@@ -244,20 +261,15 @@ def all_reduce_group(members: list, keys: CollectiveKeys, ctx: KernelContext) ->
 
 def _reduce_dense(grads: list, sync, group_size: int, key: int, scope: str) -> tuple:
     """One replica's collective of a group: (its output, a function unpacking the mean)."""
-    flat_shape = tf.constant([-1])  # one shape constant for all: large groups are common
-    flat = tf.concat([tf.reshape(g, flat_shape) for g in grads], 0) if len(grads) > 1 \
-        else tf.reshape(grads[0], flat_shape)
     compressor = compressor_class(sync.compressor)(scope)
-    wire, ctx = compressor.compress(flat)
+    wire, ctx = compressor.compress(flatten(grads))
     summed = tf.raw_ops.CollectiveReduceV2(
         input=wire, group_size=group_size, group_key=COLLECTIVE_GROUP_KEY,
         instance_key=key, ordering_token=[], merge_op="Add", final_op="Div",
         max_subdivs_per_device=RING_SUBDIVISIONS)
 
     def unpack(summed):
-        mean = compressor.decompress(summed, ctx)
-        sizes = [g.shape.num_elements() for g in grads]
-        return [tf.reshape(piece, g.shape) for piece, g in zip(tf.split(mean, sizes), grads)]
+        return unflatten(compressor.decompress(summed, ctx), grads)
     return summed, unpack
 
 

@@ -267,14 +267,26 @@ class SynchronizerKind:
     Attributes:
         field: its field in the strategy's ``synchronizer`` oneof.
         feature_name: its name in the simulator's features (``<name>_share``).
-        collective: its reduce runs collectives, which every node's step must join.
-        remote_ops: its step runs ops on other nodes' devices (a server's).
+        collective: its reduce runs collectives, which every node's step must
+            join (the answer of :meth:`uses_collectives` for any config).
+        remote_ops: its step runs ops on other nodes' devices, a server's (the
+            answer of :meth:`uses_remote_ops` for any config).
     """
 
     field: ClassVar[str]
     feature_name: ClassVar[str]
     collective: ClassVar[bool] = False
     remote_ops: ClassVar[bool] = False
+
+    @classmethod
+    def uses_collectives(cls, config) -> bool:
+        """Whether a part of this config reduces through collectives on a cluster."""
+        return cls.collective
+
+    @classmethod
+    def uses_remote_ops(cls, config) -> bool:
+        """Whether a part of this config runs ops on other nodes' devices on a cluster."""
+        return cls.remote_ops
 
     # ------------------------------------------------------------ what the search asks
 
@@ -391,6 +403,52 @@ def _unique(variables: list) -> list:
             seen.add(id(variable))
             result.append(variable)
     return result
+
+
+def stash(name: str, contribution, ctx: KernelContext):
+    """Keeps this node's contribution in local variables between a step's two runs.
+
+    Returns:
+        (op storing it, run by the first run; the stored value, read by the
+        second), a dense tensor or IndexedSlices like ``contribution``
+    """
+    def holder(value, suffix):
+        return local_variable(tf.zeros([0] * value.shape.rank, value.dtype),
+                              f"{name}/stash_{suffix}", tf.TensorShape(None))
+
+    with tf.device(ctx.shared_device):
+        if isinstance(contribution, tf.IndexedSlices):
+            indices = tf.cast(contribution.indices, tf.int64)
+            values_var, indices_var = holder(contribution.values, "values"), holder(indices, "indices")
+            store = tf.group(values_var.assign(contribution.values, read_value=False),
+                             indices_var.assign(indices, read_value=False))
+            return store, tf.IndexedSlices(values_var.read_value(), indices_var.read_value(),
+                                           contribution.dense_shape)
+        values_var = holder(contribution, "values")
+        return values_var.assign(contribution, read_value=False), values_var.read_value()
+
+
+def dense_by_dtype(members: list) -> list:
+    """The indices of a group's dense members, one list per dtype in the members' order:
+    one buffer, and so one reduce, per dtype."""
+    by_dtype = {}
+    for i, (_, _, grads) in enumerate(members):
+        if not isinstance(grads[0], tf.IndexedSlices):
+            by_dtype.setdefault(grads[0].dtype, []).append(i)
+    return list(by_dtype.values())
+
+
+def flatten(grads: list) -> tf.Tensor:
+    """A group's gradients of one replica as one flat buffer."""
+    flat_shape = tf.constant([-1])  # one shape constant for all: large groups are common
+    return tf.concat([tf.reshape(g, flat_shape) for g in grads], 0) if len(grads) > 1 \
+        else tf.reshape(grads[0], flat_shape)
+
+
+def unflatten(flat: tf.Tensor, grads: list) -> list:
+    """``flat`` cut back into tensors shaped like ``grads``."""
+    sizes = [g.shape.num_elements() for g in grads]
+    return [tf.reshape(piece, g.shape) for piece, g in zip(tf.split(flat, sizes), grads)]
 
 
 def token_queue(worker: int, ctx: KernelContext, purpose: str = "sync_token",

@@ -22,7 +22,7 @@ from autodist.strategy import common
 from autodist.strategy.base import StrategyError
 from autodist.synchronizers.base import (KindCost, KindSampling, Member, Ownership,
                                          PartStorage, Reduced, SynchronizerKind, Target,
-                                         draw_share, local_variable, token_queue)
+                                         draw_share, stash, token_queue)
 
 
 class PSSynchronizer(SynchronizerKind):
@@ -546,26 +546,3 @@ def _gather_across_nodes(name: str, contribution: tf.IndexedSlices, shape: tuple
         mean = tf.IndexedSlices(tf.concat(values, 0), tf.concat(indices, 0),
                                 tf.constant(shape, tf.int64))
     return apply, mean
-
-
-def stash(name: str, contribution, ctx: KernelContext):
-    """Keeps this node's contribution in local variables between a step's two runs.
-
-    Returns:
-        (op storing it, run by the collective run; the stored value, read by the
-        PS run), a dense tensor or IndexedSlices like ``contribution``
-    """
-    def holder(value, suffix):
-        return local_variable(tf.zeros([0] * value.shape.rank, value.dtype),
-                              f"{name}/stash_{suffix}", tf.TensorShape(None))
-
-    with tf.device(ctx.shared_device):
-        if isinstance(contribution, tf.IndexedSlices):
-            indices = tf.cast(contribution.indices, tf.int64)
-            values_var, indices_var = holder(contribution.values, "values"), holder(indices, "indices")
-            store = tf.group(values_var.assign(contribution.values, read_value=False),
-                             indices_var.assign(indices, read_value=False))
-            return store, tf.IndexedSlices(values_var.read_value(), indices_var.read_value(),
-                                           contribution.dense_shape)
-        values_var = holder(contribution, "values")
-        return values_var.assign(contribution, read_value=False), values_var.read_value()

@@ -1,0 +1,175 @@
+"""An all-reduce without collective ops: a reduce-scatter and an all-gather over send/recv.
+
+``AllReduceSynchronizer.Spec.SCATTER_GATHER``. Each node sums its own replicas'
+gradients, cuts the sum into one slice per node, and enqueues slice ``j`` into
+a queue on node ``j``. Node ``j`` sums the slices it receives, in node order
+(so the sum is the same on every run), and enqueues that sum into a queue on
+every other node, which concatenates the sums it receives. Every node sends
+and receives ``2 (n - 1) / n`` of the buffer, as in a ring, but in two hops.
+
+The tensors travel by TensorFlow's send/recv, the path a parameter server's
+gradients take, which copies less per byte than the collective ring's
+``RecvBuf`` (``docs/notes/peers.md``). Queues are named after the group's key,
+which every node computes alike, and live on the node that dequeues from them;
+an enqueue placed on another node's device runs there within this node's
+step, so no node needs a collective step id and a step may also run a
+parameter server's ops.
+"""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import tensorflow as tf
+
+from autodist.kernel_context import KernelContext
+from autodist.synchronizers.base import CollectiveKeys, dense_by_dtype, flatten, stash, unflatten
+from autodist.synchronizers.compressor import compressor_class
+
+
+def slice_sizes(size: int, num_nodes: int) -> List[int]:
+    """Elements of each node's slice of a buffer of ``size``: as even as can be, the
+    first ``size % num_nodes`` slices one larger (a slice may be empty)."""
+    base, extra = divmod(size, num_nodes)
+    return [base + (node < extra) for node in range(num_nodes)]
+
+
+def _queue(key: int, phase: str, source: int, target: int, dtype, shape) -> tf.queue.FIFOQueue:
+    name = f"autodist_scatter_gather_{key}_{phase}_{source}_to_{target}"
+    return tf.queue.FIFOQueue(capacity=-1, dtypes=[dtype], shapes=[shape], shared_name=name,
+                              name=name)
+
+
+def sum_across_nodes(buffer: tf.Tensor, key: int, ctx: KernelContext) -> Tuple[tf.Tensor, list]:
+    """Every node's ``buffer`` (a flat dense tensor of this node) summed, on this node.
+
+    Args:
+        key: the group's key, the same on every node.
+
+    Returns:
+        (the sum over nodes; the enqueues to other nodes' queues, which this
+        node's step must run)
+    """
+    n, me = ctx.num_nodes, ctx.node_index
+    if n == 1:
+        return buffer, []
+    sizes = slice_sizes(buffer.shape.num_elements(), n)
+    with tf.device(ctx.shared_device):
+        slices = tf.split(buffer, sizes)
+    sends = []
+    for node in range(n):
+        if node != me:
+            with tf.device(ctx.nodes[node]):
+                sends.append(_queue(key, "reduce", me, node, buffer.dtype, [sizes[node]])
+                             .enqueue(slices[node]))
+    with tf.device(ctx.shared_device):
+        mine = tf.add_n([slices[me] if node == me else
+                         _queue(key, "reduce", node, me, buffer.dtype, [sizes[me]]).dequeue()
+                         for node in range(n)])
+    for node in range(n):
+        if node != me:
+            with tf.device(ctx.nodes[node]):
+                sends.append(_queue(key, "gather", me, node, buffer.dtype, [sizes[me]])
+                             .enqueue(mine))
+    with tf.device(ctx.shared_device):
+        total = tf.concat([mine if node == me else
+                           _queue(key, "gather", node, me, buffer.dtype, [sizes[node]]).dequeue()
+                           for node in range(n)], 0)
+    return total, sends
+
+
+def gather_rows(values: tf.Tensor, indices: tf.Tensor, key: int,
+                ctx: KernelContext) -> Tuple[tf.Tensor, tf.Tensor, list]:
+    """Every node's rows of a sparse gradient, concatenated in node order, on this node.
+
+    Args:
+        values: this node's rows (its replicas', concatenated).
+        indices: their int64 row ids.
+        key: the gradient's key, the same on every node.
+
+    Returns:
+        (values, indices, the enqueues to other nodes' queues)
+    """
+    n, me = ctx.num_nodes, ctx.node_index
+    if n == 1:
+        return values, indices, []
+    rows_shape = tf.TensorShape([None]).concatenate(values.shape[1:])
+
+    def queue(source, target):
+        # Row counts differ from node to node and step to step: the queue holds any shape.
+        name = f"autodist_scatter_gather_{key}_rows_{source}_to_{target}"
+        return tf.queue.FIFOQueue(capacity=-1, dtypes=[values.dtype, tf.int64],
+                                  shared_name=name, name=name)
+
+    def received(node):
+        node_values, node_indices = queue(node, me).dequeue()
+        return tf.ensure_shape(node_values, rows_shape), tf.ensure_shape(node_indices, [None])
+
+    sends = []
+    for node in range(n):
+        if node != me:
+            with tf.device(ctx.nodes[node]):
+                sends.append(queue(me, node).enqueue([values, indices]))
+    with tf.device(ctx.shared_device):
+        pieces = [(values, indices) if node == me else received(node) for node in range(n)]
+        return (tf.concat([v for v, _ in pieces], 0), tf.concat([i for _, i in pieces], 0),
+                sends)
+
+
+def reduce_group(members: list, keys: CollectiveKeys, ctx: KernelContext) -> tuple:
+    """Reduces the gradients of one ``SCATTER_GATHER`` group without collective ops.
+
+    This node's replicas' gradients are summed on its CPU first, so a node sends
+    one buffer per dtype whatever its replicas. In a split step the sums are
+    stored by the first run and exchanged by the second.
+
+    Args:
+        members: list of (part name, its AllReduceSynchronizer, [grad per local
+            replica]) in a fixed order, the dense ones agreeing on the compressor.
+        keys: hands out the keys naming the group's queues.
+
+    Returns:
+        (list parallel to ``members`` of the mean gradient on this node's CPU; ops
+        storing the sums, for a split step's first run; the enqueues to other
+        nodes' queues)
+    """
+    means = [None] * len(members)
+    stores, sends = [], []
+
+    def exchanged(value, name):
+        if not ctx.split_step:
+            return value
+        store, stored = stash(f"{name}/scatter_gather", value, ctx)
+        stores.append(store)
+        if isinstance(stored, tf.IndexedSlices):
+            return stored
+        with tf.device(ctx.shared_device):
+            return tf.ensure_shape(stored, value.shape)  # the stash holds any shape
+
+    for dense in dense_by_dtype(members):
+        key = keys.take()
+        name, sync, _ = members[dense[0]]
+        with tf.device(ctx.shared_device):
+            flats = [flatten([members[i][2][r] for i in dense]) for r in range(ctx.num_replicas)]
+            compressor = compressor_class(sync.compressor)(f"{name}/scatter_gather")
+            wire, state = compressor.compress(tf.add_n(flats) if len(flats) > 1 else flats[0])
+        total, sent = sum_across_nodes(exchanged(wire, name), key, ctx)
+        sends.extend(sent)
+        with tf.device(ctx.shared_device):
+            mean = compressor.decompress(total, state) / float(ctx.total_replicas)
+            for i, grad in zip(dense, unflatten(mean, [members[i][2][0] for i in dense])):
+                means[i] = grad
+    for i, (name, _, grads) in enumerate(members):
+        if not isinstance(grads[0], tf.IndexedSlices):
+            continue
+        key = keys.take()
+        with tf.device(ctx.shared_device):
+            rows = exchanged(tf.IndexedSlices(
+                tf.concat([g.values for g in grads], 0),
+                tf.concat([tf.cast(g.indices, tf.int64) for g in grads], 0),
+                grads[0].dense_shape), name)
+        values, indices, sent = gather_rows(rows.values, rows.indices, key, ctx)
+        sends.extend(sent)
+        with tf.device(ctx.shared_device):
+            means[i] = tf.IndexedSlices(values / float(ctx.total_replicas), indices,
+                                        grads[0].dense_shape)
+    return means, stores, sends

@@ -1,0 +1,108 @@
+"""The scatter-gather all-reduce (``Spec.SCATTER_GATHER``): a node's graph on a cluster,
+its slices and queues, and the compiler's rule for a group's spec.
+
+Its training results are checked against one device in test_equivalence (one node)
+and test_multinode (two and three nodes, with and without a split step)."""
+import pytest
+import tensorflow as tf
+
+import models
+from autodist import _tf_compat
+from autodist.graph_item import GraphItem
+from autodist.kernel_context import KernelContext
+from autodist.kernels.transformer import transform
+from autodist.proto import synchronizers_pb2
+from autodist.resource_spec import ResourceSpec
+from autodist.strategy import AllReduce, StrategyError
+from autodist.strategy.compiler import compile_strategy
+from autodist.synchronizers.scatter_gather import slice_sizes
+
+pytestmark = pytest.mark.timeout(60)
+
+SG = synchronizers_pb2.AllReduceSynchronizer.SCATTER_GATHER
+NODES = ("/job:worker/task:0/device:CPU:0", "/job:worker/task:1/device:CPU:0",
+         "/job:worker/task:2/device:CPU:0")
+DEVICES = {"10.0.0.1:CPU:0": NODES[0], "10.0.0.2:CPU:0": NODES[1],
+           "10.0.0.2:CPU:1": "/job:worker/task:1/device:CPU:1", "10.0.0.3:CPU:0": NODES[2]}
+SPEC = {"nodes": [{"address": "10.0.0.1", "cpus": [0], "chief": True},
+                  {"address": "10.0.0.2", "cpus": [0, 1]},
+                  {"address": "10.0.0.3", "cpus": [0]}]}
+# The second node's view: two of the cluster's four replicas are its own.
+CONTEXT = KernelContext(replica_devices=("10.0.0.2:CPU:0", "10.0.0.2:CPU:1"),
+                        tf_devices=DEVICES, shared_device=NODES[1], chief_device=NODES[0],
+                        node_index=1, num_nodes=3, group_size=4,
+                        all_replicas=("10.0.0.1:CPU:0", "10.0.0.2:CPU:0", "10.0.0.2:CPU:1",
+                                      "10.0.0.3:CPU:0"),
+                        node_devices=NODES, has_remote_ops=True)
+
+
+def test_slices_are_as_even_as_can_be():
+    assert slice_sizes(10, 3) == [4, 3, 3]
+    assert slice_sizes(9, 3) == [3, 3, 3]
+    assert slice_sizes(2, 3) == [1, 1, 0]
+
+
+def _item(model):
+    calls = []
+    with tf.Graph().as_default() as graph, _tf_compat.capture_apply_gradients(calls.append):
+        model(lambda: tf.compat.v1.train.GradientDescentOptimizer(0.1))
+    return GraphItem(graph, calls)
+
+
+def _node_graph(model, builder=None):
+    item = _item(model)
+    spec = ResourceSpec.from_dict(SPEC)
+    strategy = (builder or AllReduce(all_reduce_spec="SCATTER_GATHER")).build(item, spec)
+    return transform(item, compile_strategy(strategy, item, spec), CONTEXT).graph, item
+
+
+def test_a_node_sums_its_replicas_then_sends_each_node_its_slice_and_gathers_the_sums():
+    graph, item = _node_graph(models.dense_mlp)
+    ops = graph.get_operations()
+    assert not [op for op in ops if op.type.startswith("Collective")]
+    elements = sum(v.num_elements for v in item.trainable_variables)  # one group
+    sizes = slice_sizes(elements, 3)
+    enqueues = {op.inputs[0].op.name: op for op in ops if op.type == "QueueEnqueueV2"}
+    queue_device = {name.split("/")[0]: op.device for name, op in enqueues.items()}
+    # Its slices of the replicas' sum go to nodes 0 and 2, on their devices ...
+    for node, phase in ((0, "reduce"), (2, "reduce"), (0, "gather"), (2, "gather")):
+        name = next(n for n in queue_device if n.endswith(f"_{phase}_1_to_{node}"))
+        assert queue_device[name] == NODES[node], name
+    reduce_in = [op for op in ops if op.type == "QueueEnqueueV2"
+                 and op.inputs[0].op.name.endswith("_reduce_1_to_0")][0]
+    assert reduce_in.inputs[1].shape.num_elements() == sizes[0]
+    assert reduce_in.inputs[1].op.inputs[0].op.type == "AddN"  # the node's two replicas
+    # ... and it dequeues the others' slices and sums on its own CPU.
+    dequeues = [op for op in ops if op.type == "QueueDequeueV2"]
+    assert {op.device for op in dequeues} == {NODES[1]}
+    assert sorted(op.outputs[0].shape.num_elements() for op in dequeues) == sorted(
+        [sizes[1], sizes[1], sizes[0], sizes[2]])
+
+
+def test_sparse_rows_travel_to_every_node_through_queues():
+    graph, _ = _node_graph(models.embedding)
+    ops = graph.get_operations()
+    assert not [op for op in ops if op.type.startswith("Collective")]
+    rows = [op for op in ops if op.type == "QueueEnqueueV2"
+            and "_rows_" in op.inputs[0].op.name]
+    assert sorted(op.device for op in rows) == [NODES[0], NODES[2]]
+    assert all(op.inputs[2].dtype == tf.int64 for op in rows)  # indices ride along
+
+
+def test_a_group_mixing_specs_is_refused():
+    item = _item(models.dense_mlp)
+    spec = ResourceSpec.from_dict(SPEC)
+    strategy = AllReduce().build(item, spec)
+    strategy.node_config[0].AllReduceSynchronizer.spec = SG
+    with pytest.raises(StrategyError, match=r"all-reduce group 0 mixes specs \(.*'w1' "
+                                            r"SCATTER_GATHER"):
+        compile_strategy(strategy, item, spec)
+
+
+def test_only_a_collective_spec_needs_collective_steps():
+    from autodist.synchronizers import KINDS
+    kind = KINDS["AllReduceSynchronizer"]
+    config = synchronizers_pb2.AllReduceSynchronizer(spec=SG)
+    assert not kind.uses_collectives(config) and kind.uses_remote_ops(config)
+    config.spec = synchronizers_pb2.AllReduceSynchronizer.AUTO
+    assert kind.uses_collectives(config) and not kind.uses_remote_ops(config)
