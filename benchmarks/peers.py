@@ -372,10 +372,11 @@ def main(argv=None) -> int:
     parser.add_argument("--no-write", action="store_true", help="only print the tables")
     args = parser.parse_args(argv)
 
-    from autodist.strategy import BUILDERS
-    unknown = [b for b in args.builders if b not in BUILDERS]
-    if unknown:
-        parser.error(f"unknown builder(s) {unknown}; valid names are {sorted(BUILDERS)}.")
+    for builder in args.builders:
+        try:
+            report.parse_builder(builder)
+        except ValueError as err:
+            parser.error(str(err))
     if args.rounds < 1 or args.timed < 1 or args.warmup < 1:
         parser.error("--rounds, --timed and --warmup must be at least 1 (the first batch traces).")
     if not args.builders and not args.systems and not args.setup_only:

@@ -6,6 +6,7 @@ and rewrites only that, so the scripts can run in any order.
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime
 import os
 import platform
@@ -63,6 +64,34 @@ HEADER = "\n".join([
     "**Contents**", "",
     *[f"- [{heading}](#{anchor})" for heading, anchor in SECTIONS], ""])
 
+
+
+def parse_builder(text: str, extra_names: tuple = ()) -> tuple[str, dict]:
+    """``"AllReduce:chunk_size=1,compressor=HorovodCompressor"`` -> (name, kwargs).
+
+    Values are Python literals; a bare word is a string.
+
+    Args:
+        extra_names: names a script accepts besides the registered builders.
+
+    Raises:
+        ValueError: for an unknown builder name or a malformed argument.
+    """
+    from autodist.strategy import BUILDERS
+    name, _, rest = text.partition(":")
+    if name not in BUILDERS and name not in extra_names:
+        raise ValueError(f"Unknown builder {name!r} in {text!r}; valid names are "
+                         f"{sorted(BUILDERS) + list(extra_names)}.")
+    kwargs = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"Builder argument {item!r} in {text!r} is not key=value.")
+        try:
+            kwargs[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            kwargs[key.strip()] = value.strip()  # a bare word: a string
+    return name, kwargs
 
 
 def machine_info() -> dict:

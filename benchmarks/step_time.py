@@ -38,7 +38,6 @@ is left alone).
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import json
 import math
@@ -87,26 +86,8 @@ RAW_PORT = 15490
 # --------------------------------------------------------------------------- builders
 
 def parse_builder(text: str) -> tuple[str, dict]:
-    """``"AllReduce:chunk_size=1,compressor=HorovodCompressor"`` -> (name, kwargs).
-
-    Raises:
-        ValueError: for an unknown builder name or a malformed argument.
-    """
-    from autodist.strategy import BUILDERS
-    name, _, rest = text.partition(":")
-    if name not in BUILDERS and name != RAW:
-        raise ValueError(f"Unknown builder {name!r} in {text!r}; valid names are "
-                         f"{sorted(BUILDERS) + [RAW]}.")
-    kwargs = {}
-    for item in filter(None, (p.strip() for p in rest.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise ValueError(f"Builder argument {item!r} in {text!r} is not key=value.")
-        try:
-            kwargs[key.strip()] = ast.literal_eval(value.strip())
-        except (ValueError, SyntaxError):
-            kwargs[key.strip()] = value.strip()  # a bare word: a string
-    return name, kwargs
+    """``report.parse_builder``, with ``tf_collective`` (``RAW``) a name too."""
+    return report.parse_builder(text, extra_names=(RAW,))
 
 
 def wire_fraction(kwargs: dict) -> float:

@@ -809,3 +809,29 @@ def test_a_callback_acting_per_batch_sees_each_batch_s_weights(spec_path):
         for g, w in zip(got_weights, want_weights):
             np.testing.assert_allclose(g, w, atol=ATOL, rtol=RTOL)
     assert_same(got, want, "after fit with a per-batch callback")  # slots copied at the end
+
+
+class _TimerReadingNoWeights(_WeightsPerBatch):
+    """Per-batch hooks that say they read no weights: what they see is the weights
+    as of the last copy (the start of the epoch), not each batch's."""
+
+    autodist_reads_weights = False
+
+
+def test_a_per_batch_callback_reading_no_weights_costs_no_copy_per_batch(spec_path):
+    ad = AutoDist(resource_spec_file=spec_path, strategy_builder=PartitionedPS())
+    with ad.scope():
+        model = km.compiled("mlp", OPTIMIZERS["adam"]())
+    start = [w.numpy() for w in model.weights]
+    timer = _TimerReadingNoWeights()
+    model.fit(*km.data("mlp"), callbacks=[timer], **fit_kwargs(epochs=1))
+    batches = km.SAMPLES // km.BATCH_SIZE
+    assert len(timer.seen) == batches > 1
+    for weights, _ in timer.seen:  # no copy after a batch: the model kept its start
+        for got, want in zip(weights, start):
+            np.testing.assert_array_equal(got, want)
+    want = km.compiled("mlp", OPTIMIZERS["adam"]())
+    want.fit(*km.data("mlp"), **fit_kwargs(epochs=1))
+    # The copy at the end of fit still happens.
+    for got, expected in zip(model.weights, want.weights):
+        np.testing.assert_allclose(got.numpy(), expected.numpy(), atol=ATOL, rtol=RTOL)

@@ -57,7 +57,9 @@ class _FitRunner:
     for the logs); the weights and the optimizer's state are copied back
     whenever Keras code may read them: before validation, at the end of every
     epoch and of ``fit``, and after every batch when a callback acts per batch
-    (then the weights and the optimizer's iteration count, not its slots).
+    (then the weights and the optimizer's iteration count, not its slots),
+    unless it says its batch hooks read no weights (``autodist_reads_weights =
+    False``).
     """
 
     def __init__(self, model: keras.Model,
@@ -169,6 +171,9 @@ class _SyncCallback(keras.callbacks.Callback):
 
 
 def _acts_per_batch(callback: keras.callbacks.Callback) -> bool:
+    """Whether ``callback`` may read the weights after a batch."""
+    if not getattr(callback, "autodist_reads_weights", True):
+        return False
     if isinstance(callback, keras.callbacks.ModelCheckpoint):
         return callback.save_freq != "epoch"
     hooks = ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end")

@@ -3,8 +3,9 @@
 ``AllReduceSynchronizer.Spec.SCATTER_GATHER``. Each node sums its own replicas'
 gradients, cuts the sum into one slice per node, and enqueues slice ``j`` into
 a queue on node ``j``. Node ``j`` sums the slices it receives, in node order
-(so the sum is the same on every run), and enqueues that sum into a queue on
-every other node, which concatenates the sums it receives. Every node sends
+(so the sum is the same on every run), divides by the replicas, and enqueues
+that mean into a queue on every other node, which concatenates the means it
+receives. Every node sends
 and receives ``2 (n - 1) / n`` of the buffer, as in a ring, but in two hops.
 
 The tensors travel by TensorFlow's send/recv, the path a parameter server's
@@ -39,19 +40,26 @@ def _queue(key: int, phase: str, source: int, target: int, dtype, shape) -> tf.q
                               name=name)
 
 
-def sum_across_nodes(buffer: tf.Tensor, key: int, ctx: KernelContext) -> Tuple[tf.Tensor, list]:
-    """Every node's ``buffer`` (a flat dense tensor of this node) summed, on this node.
+def mean_across_nodes(buffer: tf.Tensor, count: int, key: int,
+                      ctx: KernelContext) -> Tuple[tf.Tensor, list]:
+    """Every node's ``buffer`` (a flat dense tensor of this node) summed and divided by
+    ``count``, on this node.
+
+    Each node divides the slice it sums, so the division costs 1/n of a pass over
+    the buffer.
 
     Args:
+        count: what the sum is divided by (the replicas whose gradients it sums).
         key: the group's key, the same on every node.
 
     Returns:
-        (the sum over nodes; the enqueues to other nodes' queues, which this
-        node's step must run)
+        (the mean; the enqueues to other nodes' queues, which this node's step
+        must run)
     """
     n, me = ctx.num_nodes, ctx.node_index
     if n == 1:
-        return buffer, []
+        with tf.device(ctx.shared_device):
+            return buffer / tf.cast(count, buffer.dtype), []
     sizes = slice_sizes(buffer.shape.num_elements(), n)
     with tf.device(ctx.shared_device):
         slices = tf.split(buffer, sizes)
@@ -64,17 +72,17 @@ def sum_across_nodes(buffer: tf.Tensor, key: int, ctx: KernelContext) -> Tuple[t
     with tf.device(ctx.shared_device):
         mine = tf.add_n([slices[me] if node == me else
                          _queue(key, "reduce", node, me, buffer.dtype, [sizes[me]]).dequeue()
-                         for node in range(n)])
+                         for node in range(n)]) / tf.cast(count, buffer.dtype)
     for node in range(n):
         if node != me:
             with tf.device(ctx.nodes[node]):
                 sends.append(_queue(key, "gather", me, node, buffer.dtype, [sizes[me]])
                              .enqueue(mine))
     with tf.device(ctx.shared_device):
-        total = tf.concat([mine if node == me else
-                           _queue(key, "gather", node, me, buffer.dtype, [sizes[node]]).dequeue()
-                           for node in range(n)], 0)
-    return total, sends
+        mean = tf.concat([mine if node == me else
+                          _queue(key, "gather", node, me, buffer.dtype, [sizes[node]]).dequeue()
+                          for node in range(n)], 0)
+    return mean, sends
 
 
 def gather_rows(values: tf.Tensor, indices: tf.Tensor, key: int,
@@ -152,10 +160,10 @@ def reduce_group(members: list, keys: CollectiveKeys, ctx: KernelContext) -> tup
             flats = [flatten([members[i][2][r] for i in dense]) for r in range(ctx.num_replicas)]
             compressor = compressor_class(sync.compressor)(f"{name}/scatter_gather")
             wire, state = compressor.compress(tf.add_n(flats) if len(flats) > 1 else flats[0])
-        total, sent = sum_across_nodes(exchanged(wire, name), key, ctx)
+        mean, sent = mean_across_nodes(exchanged(wire, name), ctx.total_replicas, key, ctx)
         sends.extend(sent)
         with tf.device(ctx.shared_device):
-            mean = compressor.decompress(total, state) / float(ctx.total_replicas)
+            mean = compressor.decompress(mean, state)
             for i, grad in zip(dense, unflatten(mean, [members[i][2][0] for i in dense])):
                 means[i] = grad
     for i, (name, _, grads) in enumerate(members):
