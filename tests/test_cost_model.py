@@ -348,7 +348,8 @@ def test_a_split_step_costs_once_when_a_cluster_mixes_ps_and_all_reduce():
 
     def split(resource_spec, *synchronizers):
         configs = [common.ps_node_config(var.name, f"{A}:CPU:0") if kind == "ps"
-                   else common.ar_node_config(var.name, 0)
+                   else common.ar_node_config(var.name, 0,
+                                              "SCATTER_GATHER" if kind == "sg" else "AUTO")
                    for var, kind in zip(variables, synchronizers)]
         return breakdown(strategy_of(resource_spec, *configs), variables, resource_spec)
 
@@ -359,6 +360,10 @@ def test_a_split_step_costs_once_when_a_cluster_mixes_ps_and_all_reduce():
     assert split(TWO_BY_TWO, "ps", "ps", "ar").features["split_step"] == 0
     assert split(TWO_BY_TWO, "ar", "ar", "ps").features["split_step"] == 0  # PS reads only
     assert split(spec((A, 2, None)), "ps", "ar", "ps").features["split_step"] == 0  # one run
+    # A scatter-gather all-reduce runs no collective: PS and it share one run ...
+    assert split(TWO_BY_TWO, "ps", "sg", "ps").features["split_step"] == 0
+    # ... unless a collective all-reduce joins them.
+    assert split(TWO_BY_TWO, "sg", "ar", "ps").features["split_step"] == 1
 
 
 def test_the_busiest_node_pays_for_the_updates_it_runs():

@@ -248,11 +248,10 @@ class CostModel:
                                            touched)
         cluster = cluster_view(proto_strategy.replicas, resource_spec, self.local_bandwidth_gbps)
         of_kind = [(kind, parts.of_kind(kind)) for kind in KIND_NUMBERS]
-        synchronized = [(kind, index) for kind, index in of_kind if parts.has_grad[index].any()]
         # A multi-node step mixing collectives with ops on other nodes' devices is
         # split in two runs (README).
-        split_step = (cluster.multi_node and any(kind.collective for kind, _ in synchronized)
-                      and any(kind.remote_ops for kind, _ in synchronized))
+        split_step = (cluster.multi_node and (parts.collective & parts.has_grad).any()
+                      and (parts.remote_ops & parts.has_grad).any())
         features = dict.fromkeys(COMPONENTS, 0.0)
         charged, bindings = [], []
         for kind, index in of_kind:

@@ -86,6 +86,10 @@ class SyncParts:
         compressor: the Compressor enum value; 0 (none) without one.
         group: its collective group; 0 without one.
         dtype: its variable's dtype, numbered (parts of one dtype share the number).
+        collective: on a cluster it reduces through collectives
+            (``SynchronizerKind.uses_collectives``).
+        remote_ops: on a cluster its step runs ops on other nodes' devices
+            (``SynchronizerKind.uses_remote_ops``).
     """
 
     variables: List[str]
@@ -105,6 +109,8 @@ class SyncParts:
     compressor: np.ndarray
     group: np.ndarray
     dtype: np.ndarray
+    collective: np.ndarray
+    remote_ops: np.ndarray
 
     def of_kind(self, kind) -> np.ndarray:
         """The indices of the parts of ``kind`` (a class of the registry)."""
@@ -134,7 +140,7 @@ def _split_bytes(shape: tuple, dtype: str, sparse: bool, partitioner: str,
                  for i in range(plan.num_parts))
 
 
-_RECORD = 11  # row, value_bytes, grad_bytes, kind, then the kind's seven columns
+_RECORD = 13  # row, value_bytes, grad_bytes, kind, the kind's seven columns, two flags
 
 
 def _columns(infos: List[Any], names: List[str], records: List[tuple],
@@ -142,7 +148,8 @@ def _columns(infos: List[Any], names: List[str], records: List[tuple],
     """Turns the parts' records, built in ``sync_parts``, into :class:`SyncParts`.
 
     A record is ``(row, value_bytes, grad_bytes, kind, wire_bytes, device,
-    proxy, staleness, aggregate, compressor, group)``, ``device`` numbered in
+    proxy, staleness, aggregate, compressor, group, collective, remote_ops)``,
+    ``device`` numbered in
     ``devices`` (-1 for none); ``infos`` are the rows' ``VariableInfo``.
     """
     table = np.array(records, dtype=np.float64).reshape(len(records), _RECORD)
@@ -157,7 +164,8 @@ def _columns(infos: List[Any], names: List[str], records: List[tuple],
     return SyncParts([info.name for info in infos], names, row, table[:, 3].astype(np.intp),
                      flags[:, 0], flags[:, 1], table[:, 1], table[:, 2], table[:, 4], servers,
                      server, table[:, 6] != 0, table[:, 7].astype(np.int64), table[:, 8] != 0,
-                     table[:, 9].astype(np.int64), table[:, 10].astype(np.int64), dtype[row])
+                     table[:, 9].astype(np.int64), table[:, 10].astype(np.int64), dtype[row],
+                     table[:, 11] != 0, table[:, 12] != 0)
 
 
 def sync_parts(strategy: Any, variables: Sequence[Any], batch_size: int,
@@ -203,8 +211,9 @@ def sync_parts(strategy: Any, variables: Sequence[Any], batch_size: int,
         for unit, (value_bytes, grad_bytes) in zip(
                 node.part_config if partitioner else (node,), split):
             kind = synchronizer_kind(unit, strategy.id)
+            config = getattr(unit, kind.field)
             names.append(unit.var_name)
             records.append((row, value_bytes, grad_bytes, KIND_NUMBERS[kind],
-                            *kind.traffic_record(getattr(unit, kind.field), info, grad_bytes,
-                                                 devices)))
+                            *kind.traffic_record(config, info, grad_bytes, devices),
+                            kind.uses_collectives(config), kind.uses_remote_ops(config)))
     return _columns([by_name[name] for name in node_names], names, records, devices), strategy
