@@ -509,11 +509,6 @@ def verdict(setting: str, rows: list):
                  f"`{peer}`'s step rate; goal {wanted} {'**met**' if met else '**not met**'}.")
 
 
-COPY_NOTE = ("AutoDist's times include copying the trained weights (42 MB) back into the Keras "
-             "model after every batch, which its `fit` does whenever a callback (here the "
-             "timer) has per-batch hooks.")
-
-
 def format_section(tables: dict, args, start_load: str, info: dict, elapsed: float) -> str:
     lines = [BEGIN, "## Keras fit step time vs tf.distribute (`keras_step_time`)", "",
              f"Median `model.fit` step of an MLP {' -> '.join(map(str, LAYERS))} (42 MB of float32 "
@@ -532,7 +527,7 @@ def format_section(tables: dict, args, start_load: str, info: dict, elapsed: flo
     for setting, rows in tables.items():
         lines += [f"**{TITLES[setting]}** (peer: `{PEERS[setting]}`)", "", format_table(rows), ""]
         findings.append(verdict(setting, rows)[1])
-    lines += [f"- {f}" for f in (findings + [COPY_NOTE])[:3]] + [END]
+    lines += [f"- {f}" for f in findings[:3]] + [END]
     return "\n".join(lines)
 
 

@@ -10,8 +10,9 @@ CPU replica and one process per node.
 Settings: links at ``1gbit``, at ``5gbit``, and ``unshaped``. ``emulate`` always
 shapes (its rates must be positive), so the unshaped cluster is built at
 ``PLACEHOLDER_RATE`` and this script then deletes the tbf qdisc of every link
-(both ends), leaving the veth pairs as the kernel makes them; its spec carries
-no ``network_bandwidth``.
+(both ends), leaving the veth pairs as the kernel makes them; its spec then
+gets the probed rates as ``network_bandwidth``, as ``autodist probe`` writes
+them for a user (the builders' default all-reduce follows them).
 
 Systems, each run as its own fresh job on the same cluster:
 
@@ -156,6 +157,13 @@ def measure(setting: str, systems: list, args) -> tuple[dict, list]:
         with open(spec, "w", encoding="utf-8") as f:
             yaml.safe_dump(spec_dict, f)
         links = [] if args.no_probe else step_time.measure_links(spec)
+        if setting == UNSHAPED and links:
+            # As `autodist probe` writes them for a user: the builders' default
+            # all-reduce follows the links' rate.
+            from autodist.cluster import probe
+            from autodist.resource_spec import ResourceSpec
+            with open(spec, "w", encoding="utf-8") as f:
+                yaml.safe_dump(probe.measured_spec(ResourceSpec(spec), links), f)
         for m in links:
             print(f"[{setting}] link chief<->{m.address}: {m.to_node_gbit:.2f} / "
                   f"{m.from_node_gbit:.2f} Gbit/s", flush=True)
@@ -339,7 +347,7 @@ def format_section(tables: dict, links: dict, verdicts: list, args, command: str
         f"`{command}`", ""]
     for setting, rows in tables.items():
         lines += [f"**{_setting_title(setting)}**", "", *format_table(rows), ""]
-    lines += [f"- {f}" for f in _findings(tables) + [kst.COPY_NOTE]]
+    lines += [f"- {f}" for f in _findings(tables)]
     lines += ["", f"Details: [notes]({NOTES}) (how each system runs, the unshaped links, what "
               "the CPU column counts).", END]
     return "\n".join(lines)

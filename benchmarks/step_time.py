@@ -423,10 +423,14 @@ def _findings(rows: list, floor_rows: list, args, nbytes: int) -> list:
         overhead = default["median_s"] / raw["median_s"] - 1
         lead = ("AutoDist adds little to TensorFlow's own collective" if overhead < 0.1 else
                 f"AutoDist is {overhead:.0%} slower than TensorFlow's own collective")
+        from autodist.strategy import all_reduce_builders, common
         buckets = collectives(GOAL_BUILDER, args.vars, nbytes // args.vars, n)
+        reduce = ("`CollectiveReduceV2`" if gbit <= all_reduce_builders.COLLECTIVE_UP_TO_GBPS
+                  else "scatter-gather")
         out.append(
             f"{lead}: default `AllReduce` ({nbytes / 1e6:.1f} MB of gradients in {buckets} "
-            f"bucket(s) of at most 25 MiB, one `CollectiveReduceV2` each) "
+            f"bucket(s) of at most {common.DEFAULT_BUCKET_BYTES / 2 ** 20:.0f} MiB, one "
+            f"{reduce} each) "
             f"{default['median_s']:.3f} s, one collective of all the bytes in bare TF "
             f"(`{RAW}`) {raw['median_s']:.3f} s. Bare TF makes one ring "
             f"pass, each of its 2(n-1) = {2 * (n - 1)} steps copying a whole {chunk_mb:.1f} MB "

@@ -68,10 +68,11 @@ def _chain_model():
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
-    """(session, strategy, GraphItem) of the chain under AllReduce(bucket_bytes=CAP)."""
+    """(session, strategy, GraphItem) of the chain under AllReduce(bucket_bytes=CAP), its
+    buckets reduced by TensorFlow's collective (one op per bucket to look for)."""
     spec = tmp_path_factory.mktemp("spec") / "spec.yml"
     spec.write_text("nodes:\n  - address: localhost\n    cpus: [0, 1]\n    chief: true\n")
-    ad = AutoDist(str(spec), AllReduce(bucket_bytes=CAP))
+    ad = AutoDist(str(spec), AllReduce(bucket_bytes=CAP, all_reduce_spec="AUTO"))
     with tf.Graph().as_default(), ad.scope():
         x, loss, train = _chain_model()
         session = ad.create_distributed_session()

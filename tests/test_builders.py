@@ -254,6 +254,31 @@ def test_all_reduce_groups_by_chunk_and_enums():
     assert AllReduce().build(GRAPH, ONE_NODE).node_config[7].AllReduceSynchronizer.group == 0
 
 
+def _specs(strategy) -> set:
+    return {unit.AllReduceSynchronizer.spec for node in strategy.node_config
+            for unit in (node.part_config or [node]) if unit.HasField("AllReduceSynchronizer")}
+
+
+@pytest.mark.parametrize("links, want", [
+    (None, AR.SCATTER_GATHER),             # one node: a sum in one process
+    ([1, 1, 1], AR.AUTO),                  # the ring pipelines slow links better
+    ([10, 2, 10], AR.AUTO),                # the slowest link decides
+    ([10, 2.5, 10], AR.SCATTER_GATHER),    # fast links: CPU per byte decides
+])
+def test_the_default_spec_follows_the_clusters_slowest_link(links, want):
+    if links is None:
+        spec = ONE_NODE
+    else:
+        spec = ResourceSpec.from_dict({"nodes": [
+            {"address": f"10.0.0.{i + 1}", "cpus": [0], "chief": i == 0, "network_bandwidth": rate}
+            for i, rate in enumerate(links)]})
+    for builder in (AllReduce(), PartitionedAR(), RandomAxisPartitionAR(), Parallax()):
+        assert _specs(builder.build(GRAPH, spec)) == {want}, builder
+    # Named, it is kept; the sharded update's all-reduced variables stay collective.
+    assert _specs(AllReduce(all_reduce_spec="RING").build(GRAPH, spec)) == {AR.RING}
+    assert _specs(ShardedUpdateAR().build(GRAPH, spec)) == {AR.AUTO}
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"compressor": "Gzip"}, r"compressor='Gzip'.*HorovodCompressor"),
     ({"all_reduce_spec": "MPI"}, r"all_reduce_spec='MPI'.*NCCL"),

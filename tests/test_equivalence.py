@@ -53,8 +53,9 @@ BUILDERS = {
     "PS-local_proxy": lambda: PS(local_proxy_variable=True),
     "AllReduce-chunk_size_1": lambda: AllReduce(chunk_size=1),
     "Parallax-local_proxy": lambda: Parallax(local_proxy_variable=True),
-    "AllReduce-scatter_gather": lambda: AllReduce(all_reduce_spec="SCATTER_GATHER"),
-    "PartitionedAR-scatter_gather": lambda: PartitionedAR(all_reduce_spec="SCATTER_GATHER"),
+    # One node's default is SCATTER_GATHER: the collective, named.
+    "AllReduce-collective": lambda: AllReduce(all_reduce_spec="AUTO"),
+    "PartitionedAR-collective": lambda: PartitionedAR(all_reduce_spec="AUTO"),
 }
 # With the sharded update too (its own equivalence matrix is test_sharded_update's),
 # for the features every kind must support.
@@ -193,8 +194,8 @@ def test_hand_made_axis_one_strategy_mixing_ps_and_all_reduce(spec_path, model, 
     ("RandomAxisPartitionAR", "partitionable"),
     ("Parallax", "embedding"),
     ("AllReduce", "embedding"),
-    ("AllReduce-scatter_gather", "dense"),
-    ("AllReduce-scatter_gather", "embedding"),
+    ("AllReduce-collective", "dense"),
+    ("AllReduce-collective", "embedding"),
 ])
 def test_four_replicas_match_single_device(spec_path_4cpu, builder, model):
     strategy = assert_equivalent(spec_path_4cpu, BUILDERS[builder](), model, "adam")

@@ -9,18 +9,42 @@ from autodist.strategy import common
 from autodist.strategy.base import Strategy, StrategyBuilder
 
 
+COLLECTIVE_UP_TO_GBPS = 2.0
+"""On a cluster whose slowest link carries at most this many Gbit/s, the builders'
+default spec is TensorFlow's collective ring, else ``SCATTER_GATHER``
+(:func:`default_all_reduce_spec`)."""
+
+
+def default_all_reduce_spec(resource_spec) -> str:
+    """The ``AllReduceSynchronizer.Spec`` name the all-reduce builders use unless told.
+
+    ``SCATTER_GATHER`` costs less CPU per byte than TensorFlow's collective ring,
+    which wins where the CPU is the limit (one node, fast links); on slow links
+    the ring's pipelined chunks use the wire a little better, so a cluster whose
+    slowest link (``network_bandwidth``, 1 Gbit/s when omitted; ``autodist probe``
+    measures it) carries at most ``COLLECTIVE_UP_TO_GBPS`` gets ``AUTO``
+    (``docs/benchmarks.md``, peers).
+    """
+    rates = resource_spec.network_bandwidth.values()
+    if len(rates) > 1 and min(rates) <= COLLECTIVE_UP_TO_GBPS:
+        return "AUTO"
+    return "SCATTER_GATHER"
+
+
 class ARConfig:
     """All-reduce settings shared by the all-reduce builders.
 
     The all-reduced units (variables or parts) are grouped into buckets, one
-    collective each, filled in the order the backward pass computes their
-    gradients (:func:`autodist.strategy.common.byte_buckets`).
+    reduce each, filled in the order the backward pass computes their gradients
+    (:func:`autodist.strategy.common.byte_buckets`).
 
     Args:
         chunk_size: the most units in one bucket; None for no such cap.
-        all_reduce_spec: an ``AllReduceSynchronizer.Spec`` name.
+        all_reduce_spec: an ``AllReduceSynchronizer.Spec`` name, or None for the
+            cluster's default (:func:`default_all_reduce_spec`); the strategy
+            records the spec chosen.
         compressor: an ``AllReduceSynchronizer.Compressor`` name.
-        bucket_bytes: the most gradient bytes in one bucket (25 MiB by default);
+        bucket_bytes: the most gradient bytes in one bucket (8 MiB by default);
             None for no such cap.
 
     Raises:
@@ -28,11 +52,12 @@ class ARConfig:
             valid enum name (the message lists the valid ones).
     """
 
-    def __init__(self, chunk_size: Optional[int] = None, all_reduce_spec: str = "AUTO",
+    def __init__(self, chunk_size: Optional[int] = None, all_reduce_spec: Optional[str] = None,
                  compressor: str = "NoneCompressor",
                  bucket_bytes: Optional[int] = common.DEFAULT_BUCKET_BYTES):
         common.check_bucket_args(bucket_bytes, chunk_size)
-        common.ar_spec_value(all_reduce_spec)
+        if all_reduce_spec is not None:
+            common.ar_spec_value(all_reduce_spec)
         common.ar_compressor_value(compressor)
         self.chunk_size = chunk_size
         self.bucket_bytes = bucket_bytes
@@ -49,9 +74,13 @@ class ARConfig:
             [(name, 0 if var.sparse_grad else size, var.ready_rank) for name, var, size in units],
             self.bucket_bytes, self.chunk_size)
 
-    def node(self, name: str, group: int):
-        """Returns the AR node config of the unit ``name`` in bucket ``group``."""
-        return common.ar_node_config(name, group, self.all_reduce_spec, self.compressor)
+    def spec(self, resource_spec) -> str:
+        """The spec name the strategy records for this cluster."""
+        return self.all_reduce_spec or default_all_reduce_spec(resource_spec)
+
+    def node(self, name: str, group: int, spec: str):
+        """Returns the AR node config of the unit ``name`` in bucket ``group``, by ``spec``."""
+        return common.ar_node_config(name, group, spec, self.compressor)
 
     def __repr__(self) -> str:
         return (f"ARConfig(chunk_size={self.chunk_size!r}, "
@@ -73,7 +102,7 @@ class AllReduce(StrategyBuilder):
     Args: as :class:`ARConfig`.
     """
 
-    def __init__(self, chunk_size: Optional[int] = None, all_reduce_spec: str = "AUTO",
+    def __init__(self, chunk_size: Optional[int] = None, all_reduce_spec: Optional[str] = None,
                  compressor: str = "NoneCompressor",
                  bucket_bytes: Optional[int] = common.DEFAULT_BUCKET_BYTES):
         self._ar = ARConfig(chunk_size, all_reduce_spec, compressor, bucket_bytes)
@@ -82,9 +111,10 @@ class AllReduce(StrategyBuilder):
         strategy = common.new_strategy(resource_spec)
         variables = graph_item.trainable_variables
         groups = self._ar.groups([(v.name, v, v.size_bytes) for v in variables if v.has_grad])
+        spec = self._ar.spec(resource_spec)
         for var in variables:
             strategy.node_config.append(
-                self._ar.node(var.name, groups[var.name]) if var.has_grad
+                self._ar.node(var.name, groups[var.name], spec) if var.has_grad
                 else no_grad_node_config(var, common.ps_device_names(resource_spec)))
         return strategy
 
@@ -100,7 +130,8 @@ class PartitionedAR(StrategyBuilder):
     Args:
         chunk_size: the most all-reduced units per bucket; None for no such cap.
         num_partitions: parts per variable; ``max(2, num_replicas)`` when None.
-        all_reduce_spec: an ``AllReduceSynchronizer.Spec`` name.
+        all_reduce_spec: an ``AllReduceSynchronizer.Spec`` name; None for the
+            cluster's default (:func:`default_all_reduce_spec`).
         compressor: an ``AllReduceSynchronizer.Compressor`` name.
         bucket_bytes: the most gradient bytes per bucket; None for no such cap.
 
@@ -109,7 +140,7 @@ class PartitionedAR(StrategyBuilder):
     """
 
     def __init__(self, chunk_size: Optional[int] = None, num_partitions: Optional[int] = None,
-                 all_reduce_spec: str = "AUTO", compressor: str = "NoneCompressor",
+                 all_reduce_spec: Optional[str] = None, compressor: str = "NoneCompressor",
                  bucket_bytes: Optional[int] = common.DEFAULT_BUCKET_BYTES):
         common.check_int("num_partitions", num_partitions, allow_none=True)
         self._ar = ARConfig(chunk_size, all_reduce_spec, compressor, bucket_bytes)
@@ -145,13 +176,14 @@ class PartitionedAR(StrategyBuilder):
             cuts[var.name] = (axis, names)
             units.extend(zip(names, [var] * k, common.part_sizes_bytes(var, axis, k)))
         groups = self._ar.groups(units)
+        spec = self._ar.spec(resource_spec)
         for var in graph_item.trainable_variables:
             if var.name not in cuts:
                 strategy.node_config.append(
                     no_grad_node_config(var, common.ps_device_names(resource_spec)))
                 continue
             axis, names = cuts[var.name]
-            parts = [self._ar.node(name, groups[name]) for name in names]
+            parts = [self._ar.node(name, groups[name], spec) for name in names]
             strategy.node_config.append(
                 parts[0] if axis is None
                 else common.partitioned_node_config(var.name, axis, len(var.shape), parts))
@@ -169,7 +201,8 @@ class RandomAxisPartitionAR(PartitionedAR):
         chunk_size: the most all-reduced units per bucket; None for no such cap.
         num_partitions: parts per variable; ``max(2, num_replicas)`` when None.
         seed: seed of the axis choice.
-        all_reduce_spec: an ``AllReduceSynchronizer.Spec`` name.
+        all_reduce_spec: an ``AllReduceSynchronizer.Spec`` name; None for the
+            cluster's default (:func:`default_all_reduce_spec`).
         compressor: an ``AllReduceSynchronizer.Compressor`` name.
         bucket_bytes: the most gradient bytes per bucket; None for no such cap.
 
@@ -178,7 +211,7 @@ class RandomAxisPartitionAR(PartitionedAR):
     """
 
     def __init__(self, chunk_size: Optional[int] = None, num_partitions: Optional[int] = None,
-                 seed: int = 0, all_reduce_spec: str = "AUTO",
+                 seed: int = 0, all_reduce_spec: Optional[str] = None,
                  compressor: str = "NoneCompressor",
                  bucket_bytes: Optional[int] = common.DEFAULT_BUCKET_BYTES):
         super().__init__(chunk_size, num_partitions, all_reduce_spec, compressor, bucket_bytes)

@@ -24,7 +24,8 @@ class Parallax(StrategyBuilder):
         sync: synchronous PS training; False (with ``staleness`` >= 1) for bounded staleness.
         staleness: how many updates old a replica's read of a PS variable may be; needs
             ``sync=False``.
-        all_reduce_spec: an ``AllReduceSynchronizer.Spec`` name.
+        all_reduce_spec: an ``AllReduceSynchronizer.Spec`` name; None for the
+            cluster's default (``all_reduce_builders.default_all_reduce_spec``).
         compressor: an ``AllReduceSynchronizer.Compressor`` name.
         bucket_bytes: the most gradient bytes per all-reduce bucket; None for no such cap.
 
@@ -33,7 +34,7 @@ class Parallax(StrategyBuilder):
     """
 
     def __init__(self, chunk_size: Optional[int] = None, local_proxy_variable: bool = False,
-                 sync: bool = True, staleness: int = 0, all_reduce_spec: str = "AUTO",
+                 sync: bool = True, staleness: int = 0, all_reduce_spec: Optional[str] = None,
                  compressor: str = "NoneCompressor",
                  bucket_bytes: Optional[int] = common.DEFAULT_BUCKET_BYTES):
         self._ar = ARConfig(chunk_size, all_reduce_spec, compressor, bucket_bytes)
@@ -49,7 +50,8 @@ class Parallax(StrategyBuilder):
                                                self._ps, common.num_shards_even)
         groups = self._ar.groups([(v.name, v, v.size_bytes) for v in variables
                                   if v.name not in ps_nodes])
+        spec = self._ar.spec(resource_spec)
         for var in variables:
             strategy.node_config.append(ps_nodes[var.name] if var.name in ps_nodes
-                                        else self._ar.node(var.name, groups[var.name]))
+                                        else self._ar.node(var.name, groups[var.name], spec))
         return strategy

@@ -29,7 +29,9 @@ class ShardedUpdateAR(StrategyBuilder):
 
     def __init__(self, chunk_size: Optional[int] = None,
                  bucket_bytes: Optional[int] = common.DEFAULT_BUCKET_BYTES):
-        self._ar = ARConfig(chunk_size, bucket_bytes=bucket_bytes)
+        # Its shards meet in collectives, so its all-reduced variables do too: a
+        # step mixing collectives with scatter-gather's sends would be split in two.
+        self._ar = ARConfig(chunk_size, "AUTO", bucket_bytes=bucket_bytes)
 
     def build(self, graph_item, resource_spec) -> Strategy:
         strategy = common.new_strategy(resource_spec)
@@ -46,7 +48,8 @@ class ShardedUpdateAR(StrategyBuilder):
                 node = strategy.node_config.add(var_name=var.name)
                 node.ShardedUpdateSynchronizer.group = sharded[var.name]
             elif var.name in all_reduced:
-                strategy.node_config.append(self._ar.node(var.name, all_reduced[var.name]))
+                strategy.node_config.append(self._ar.node(var.name, all_reduced[var.name],
+                                                          self._ar.all_reduce_spec))
             else:
                 strategy.node_config.append(
                     no_grad_node_config(var, common.ps_device_names(resource_spec)))
