@@ -162,8 +162,9 @@ def measure(setting: str, systems: list, args) -> tuple[dict, list]:
             # all-reduce follows the links' rate.
             from autodist.cluster import probe
             from autodist.resource_spec import ResourceSpec
+            measured = probe.measured_spec(ResourceSpec(spec), links)
             with open(spec, "w", encoding="utf-8") as f:
-                yaml.safe_dump(probe.measured_spec(ResourceSpec(spec), links), f)
+                yaml.safe_dump(measured, f)
         for m in links:
             print(f"[{setting}] link chief<->{m.address}: {m.to_node_gbit:.2f} / "
                   f"{m.from_node_gbit:.2f} Gbit/s", flush=True)

@@ -46,10 +46,10 @@ class AllReduceSynchronizer(SynchronizerKind):
 
     field = "AllReduceSynchronizer"
     feature_name = "all_reduce"
-    collective = True  # the default spec's; see uses_collectives
 
     @classmethod
     def uses_collectives(cls, config) -> bool:
+        """All specs but ``SCATTER_GATHER`` run TensorFlow's collectives."""
         return config.spec != _CONFIG.SCATTER_GATHER
 
     @classmethod

@@ -268,9 +268,9 @@ class SynchronizerKind:
         field: its field in the strategy's ``synchronizer`` oneof.
         feature_name: its name in the simulator's features (``<name>_share``).
         collective: its reduce runs collectives, which every node's step must
-            join (the answer of :meth:`uses_collectives` for any config).
-        remote_ops: its step runs ops on other nodes' devices, a server's (the
-            answer of :meth:`uses_remote_ops` for any config).
+            join, whatever the config (else it overrides :meth:`uses_collectives`).
+        remote_ops: its step runs ops on other nodes' devices, a server's,
+            whatever the config (else it overrides :meth:`uses_remote_ops`).
     """
 
     field: ClassVar[str]
