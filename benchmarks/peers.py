@@ -350,7 +350,7 @@ def format_section(tables: dict, links: dict, verdicts: list, args, command: str
         lines += [f"**{_setting_title(setting)}**", "", *format_table(rows), ""]
     lines += [f"- {f}" for f in _findings(tables)]
     lines += ["", f"Details: [notes]({NOTES}) (how each system runs, the unshaped links, what "
-              "the CPU column counts).", END]
+              "the CPU column counts, where the CPU goes).", END]
     return "\n".join(lines)
 
 
