@@ -328,7 +328,8 @@ def format_section(tables: dict, links: dict, verdicts: list, args, command: str
         f"per replica) on {NUM_NODES} emulated nodes (one CPU replica and process each) under "
         "AutoDist's builders, Horovod (Gloo) and `MultiWorkerMirroredStrategy`, every run a fresh "
         "job on the same cluster, rounds interleaved; links at "
-        f"{', '.join(args.settings)}. *vs Horovod*, *vs MWMS*: the peer's step time over the "
+        f"{', '.join(args.settings)}.", "",
+        "*vs Horovod*, *vs MWMS*: the peer's step time over the "
         "builder's (above 1: AutoDist is faster); *x ring bound*: step time over "
         "2(n-1)/n x bytes / link rate; CPU: each process's own CPU time over the timed steps, "
         "mean over the processes.", "",
@@ -343,7 +344,7 @@ def format_section(tables: dict, links: dict, verdicts: list, args, command: str
         f"median of {args.rounds} rounds, each job {args.warmup} warm-up + {args.timed} timed "
         "batches, 1 intra-op / 2 inter-op threads per process; 1-minute load average "
         f"{start_load} at the start, {info['load']} at the end; the run took "
-        f"{elapsed / 60:.0f} min. {_links_text(links)}".rstrip(), "",
+        f"{elapsed / 60:.0f} min.", "", *([_links_text(links), ""] if links else []),
         f"Command (root, iproute2; the first run also builds Horovod's venv, about 5 min): "
         f"`{command}`", ""]
     for setting, rows in tables.items():
