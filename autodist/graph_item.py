@@ -21,8 +21,7 @@ class VariableInfo:
         has_grad: whether the optimizer receives a gradient for it.
         ready_rank: when its gradient is ready in the backward pass, as a rank
             among the variables with a gradient (0: first); all-reduce buckets
-            are filled in this order (see ``GraphItem``). Equal
-            ranks keep the variables' order.
+            are filled in this order. Equal ranks keep the variables' order.
     """
 
     name: str
