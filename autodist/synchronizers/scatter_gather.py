@@ -5,8 +5,8 @@ gradients, cuts the sum into one slice per node, and enqueues slice ``j`` into
 a queue on node ``j``. Node ``j`` sums the slices it receives, in node order
 (so the sum is the same on every run), divides by the replicas, and enqueues
 that mean into a queue on every other node, which concatenates the means it
-receives. Every node sends
-and receives ``2 (n - 1) / n`` of the buffer, as in a ring, but in two hops.
+receives. Every node sends and receives ``2 (n - 1) / n`` of the buffer, as in
+a ring, but in two hops.
 
 The tensors travel by TensorFlow's send/recv, the path a parameter server's
 gradients take, which copies less per byte than the collective ring's
@@ -34,9 +34,12 @@ def slice_sizes(size: int, num_nodes: int) -> List[int]:
     return [base + (node < extra) for node in range(num_nodes)]
 
 
-def _queue(key: int, phase: str, source: int, target: int, dtype, shape) -> tf.queue.FIFOQueue:
+def _queue(key: int, phase: str, source: int, target: int, dtypes: list,
+           shapes=None) -> tf.queue.FIFOQueue:
+    """The queue carrying ``phase``'s tensors of group ``key`` from node ``source`` to
+    ``target``; every node names it alike, so all of them reach the same one."""
     name = f"autodist_scatter_gather_{key}_{phase}_{source}_to_{target}"
-    return tf.queue.FIFOQueue(capacity=-1, dtypes=[dtype], shapes=[shape], shared_name=name,
+    return tf.queue.FIFOQueue(capacity=-1, dtypes=dtypes, shapes=shapes, shared_name=name,
                               name=name)
 
 
@@ -67,20 +70,21 @@ def mean_across_nodes(buffer: tf.Tensor, count: int, key: int,
     for node in range(n):
         if node != me:
             with tf.device(ctx.nodes[node]):
-                sends.append(_queue(key, "reduce", me, node, buffer.dtype, [sizes[node]])
+                sends.append(_queue(key, "reduce", me, node, [buffer.dtype], [[sizes[node]]])
                              .enqueue(slices[node]))
     with tf.device(ctx.shared_device):
         mine = tf.add_n([slices[me] if node == me else
-                         _queue(key, "reduce", node, me, buffer.dtype, [sizes[me]]).dequeue()
+                         _queue(key, "reduce", node, me, [buffer.dtype], [[sizes[me]]]).dequeue()
                          for node in range(n)]) / tf.cast(count, buffer.dtype)
     for node in range(n):
         if node != me:
             with tf.device(ctx.nodes[node]):
-                sends.append(_queue(key, "gather", me, node, buffer.dtype, [sizes[me]])
+                sends.append(_queue(key, "gather", me, node, [buffer.dtype], [[sizes[me]]])
                              .enqueue(mine))
     with tf.device(ctx.shared_device):
         mean = tf.concat([mine if node == me else
-                          _queue(key, "gather", node, me, buffer.dtype, [sizes[node]]).dequeue()
+                          _queue(key, "gather", node, me, [buffer.dtype],
+                                 [[sizes[node]]]).dequeue()
                           for node in range(n)], 0)
     return mean, sends
 
@@ -104,9 +108,7 @@ def gather_rows(values: tf.Tensor, indices: tf.Tensor, key: int,
 
     def queue(source, target):
         # Row counts differ from node to node and step to step: the queue holds any shape.
-        name = f"autodist_scatter_gather_{key}_rows_{source}_to_{target}"
-        return tf.queue.FIFOQueue(capacity=-1, dtypes=[values.dtype, tf.int64],
-                                  shared_name=name, name=name)
+        return _queue(key, "rows", source, target, [values.dtype, tf.int64])
 
     def received(node):
         node_values, node_indices = queue(node, me).dequeue()
