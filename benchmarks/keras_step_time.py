@@ -531,6 +531,21 @@ def format_section(tables: dict, args, start_load: str, info: dict, elapsed: flo
     return "\n".join(lines)
 
 
+def add_job_args(parser: argparse.ArgumentParser) -> None:
+    """The options of the scripts that run this module's jobs: rounds, batches, timeout."""
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: 3)")
+    parser.add_argument("--warmup", type=int, default=5, help="warm-up batches per job (default: 5)")
+    parser.add_argument("--timed", type=int, default=20, help="timed batches per job (default: 20)")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds per job (default: 300)")
+
+
+def check_job_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exits through ``parser.error`` unless rounds and batches are at least 1."""
+    if args.rounds < 1 or args.timed < 1 or args.warmup < 1:
+        parser.error("--rounds, --timed and --warmup must be at least 1 (the first batch traces).")
+
+
 def _nondefault_args(args) -> list:
     out = []
     if args.settings != list(SETTINGS):
@@ -555,11 +570,7 @@ def main(argv=None) -> int:
                         help="which settings to measure (default: both)")
     parser.add_argument("--builders", nargs="+", default=list(DEFAULT_BUILDERS),
                         help=f"AutoDist builders (default: {' '.join(DEFAULT_BUILDERS)})")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: 3)")
-    parser.add_argument("--warmup", type=int, default=5, help="warm-up batches per job (default: 5)")
-    parser.add_argument("--timed", type=int, default=20, help="timed batches per job (default: 20)")
-    parser.add_argument("--timeout", type=float, default=300.0,
-                        help="seconds per job (default: 300)")
+    add_job_args(parser)
     parser.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks.md"),
                         help="markdown file whose keras_step_time section is rewritten")
     parser.add_argument("--no-write", action="store_true", help="only print the tables")
@@ -582,8 +593,7 @@ def main(argv=None) -> int:
     unknown = [b for b in args.builders if b not in BUILDERS]
     if unknown:
         parser.error(f"unknown builder(s) {unknown}; valid names are {sorted(BUILDERS)}.")
-    if args.rounds < 1 or args.timed < 1 or args.warmup < 1:
-        parser.error("--rounds, --timed and --warmup must be at least 1 (the first batch traces).")
+    check_job_args(parser, args)
     args.settings = [s for s in SETTINGS if s in args.settings]
     start, start_load = time.perf_counter(), report.machine_info()["load"]
     tables = {}

@@ -366,12 +366,7 @@ def main(argv=None) -> int:
                         help=f"AutoDist builders (default: {' '.join(DEFAULT_BUILDERS)})")
     parser.add_argument("--systems", nargs="*", choices=PEER_SYSTEMS, default=list(PEER_SYSTEMS),
                         help="peers to run (default: both)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: 3)")
-    parser.add_argument("--warmup", type=int, default=5,
-                        help="warm-up batches per job (default: 5)")
-    parser.add_argument("--timed", type=int, default=20, help="timed batches per job (default: 20)")
-    parser.add_argument("--timeout", type=float, default=300.0,
-                        help="seconds per job (default: 300)")
+    kst.add_job_args(parser)
     parser.add_argument("--no-probe", action="store_true", help="do not measure the links")
     parser.add_argument("--horovod-venv", default=horovod_peer.DEFAULT_VENV,
                         help=f"Horovod's venv, built when it does not import Horovod "
@@ -387,8 +382,7 @@ def main(argv=None) -> int:
             report.parse_builder(builder)
         except ValueError as err:
             parser.error(str(err))
-    if args.rounds < 1 or args.timed < 1 or args.warmup < 1:
-        parser.error("--rounds, --timed and --warmup must be at least 1 (the first batch traces).")
+    kst.check_job_args(parser, args)
     if not args.builders and not args.systems and not args.setup_only:
         parser.error("nothing to run: give at least one of --builders and --systems.")
     args.settings = [s for s in SETTINGS if s in args.settings]

@@ -47,8 +47,12 @@ SECTIONS = (
      "keras-fit-step-time-vs-tfdistribute-keras_step_time"),
     ("Sharded update vs. AllReduce with Adam (`sharded_update`)",
      "sharded-update-vs-allreduce-with-adam-sharded_update"),
+    ("Gradient accumulation on 4 nodes (`accumulation`)",
+     "gradient-accumulation-on-4-nodes-accumulation"),
     ("AutoDist vs. Horovod and MultiWorkerMirroredStrategy (`peers`)",
      "autodist-vs-horovod-and-multiworkermirroredstrategy-peers"),
+    ("Communication overlapping the backward pass (`overlap`)",
+     "communication-overlapping-the-backward-pass-overlap"),
 )
 
 HEADER = "\n".join([
