@@ -155,6 +155,82 @@ def test_sparse_all_reduce_is_an_all_gather_of_the_touched_rows():
     assert capped == pytest.approx(3 * 1000 * 256 * 8 / 1e9 + 3 * LATENCY + AR_PART)
 
 
+SG_WEIGHT = CostWeights().scatter_gather
+OVERLAP = CostWeights().overlap
+
+
+def test_scatter_gather_moves_each_nodes_sum_across_the_nodes_not_the_replicas():
+    v = vec("v")
+    ring = breakdown(strategy_of(TWO_BY_TWO, common.ar_node_config("v", 0)), [v], TWO_BY_TWO)
+    sg_node = common.ar_node_config("v", 0, "SCATTER_GATHER")
+    sg = breakdown(strategy_of(TWO_BY_TWO, sg_node), [v], TWO_BY_TWO)
+    # The ring passes 2 * 3/4 of the buffer through 4 replicas; scatter-gather sums each
+    # node's 2 replicas first, then moves 2 * 1/2 of it across the 2 nodes.
+    assert ring.features["ring_all_reduce"] == pytest.approx(seconds(1.5 * MB4, 1))
+    assert sg.features["scatter_gather"] == pytest.approx(seconds(MB4, 1))
+    assert ring.features["scatter_gather"] == sg.features["ring_all_reduce"] == 0
+    assert sg.features["collective_latency"] == 1
+    assert predict(strategy_of(TWO_BY_TWO, sg_node), [v], TWO_BY_TWO) == pytest.approx(
+        SG_WEIGHT * seconds(MB4, 1) + LATENCY + AR_PART)
+    # Across 3 nodes the slowest NIC binds; on one node the local sum reads 3 more buffers.
+    three = spec((A, 1, 1), (B, 1, 1), (C, 1, 0.5))
+    assert breakdown(strategy_of(three, sg_node), [v], three).features["scatter_gather"] == (
+        pytest.approx(seconds(2 * 2 / 3 * MB4, 0.5)))
+    one = spec((A, 4, None))
+    assert breakdown(strategy_of(one, sg_node), [v], one).features["scatter_gather"] == (
+        pytest.approx(seconds(3 * MB4, MODEL.local_bandwidth_gbps)))
+
+
+def test_overlap_credits_a_bucket_with_the_backward_pass_left_after_it():
+    # Gradients ready in the order d, c, b, a. Bucket {d, c} is complete at rank 1, with
+    # 2 of 4 gradients still to compute: half its transfer overlaps. Bucket {b, a} is
+    # launched last and overlaps nothing.
+    variables = [vec(n, ready_rank=r) for n, r in (("a", 3), ("b", 2), ("c", 1), ("d", 0))]
+    ring = seconds(1.5 * MB4, 1)  # per variable on 2 x 2 replicas
+    two = strategy_of(TWO_BY_TWO, *(common.ar_node_config(n, 0 if n in "cd" else 1)
+                                    for n in "abcd"))
+    got = breakdown(two, variables, TWO_BY_TWO)
+    assert got.features["overlap"] == pytest.approx(2 * ring / 2)
+    hidden = {row.variable: row.seconds for row in got.rows if row.component == "overlap"}
+    assert hidden == pytest.approx({"c": OVERLAP * ring / 2, "d": OVERLAP * ring / 2})
+    assert sum(r.seconds for r in got.rows) == pytest.approx(got.total)
+    one = strategy_of(TWO_BY_TWO, *(common.ar_node_config(n, 0) for n in "abcd"))
+    assert breakdown(one, variables, TWO_BY_TWO).features["overlap"] == 0
+    assert predict(two, variables, TWO_BY_TWO) - predict(one, variables, TWO_BY_TWO) == (
+        pytest.approx(LATENCY + OVERLAP * ring))
+    # A bucket holding the first and the last gradient waits for the whole backward pass.
+    mixed = strategy_of(TWO_BY_TWO, *(common.ar_node_config(n, 0 if n in "ad" else 1)
+                                      for n in "abcd"))
+    assert breakdown(mixed, variables, TWO_BY_TWO).features["overlap"] == pytest.approx(
+        2 * ring / 4)  # {c, b} is complete at rank 2, a quarter left
+
+
+def test_a_split_step_overlaps_nothing():
+    # PS parts next to collectives on a cluster: the collectives wait for the second run.
+    variables = [vec("a", ready_rank=1), vec("b", ready_rank=0), vec("p", ready_rank=2)]
+    strategy = strategy_of(TWO_BY_TWO, common.ar_node_config("a", 1),
+                           common.ar_node_config("b", 0),
+                           common.ps_node_config("p", f"{A}:CPU:0"))
+    got = breakdown(strategy, variables, TWO_BY_TWO)
+    assert got.features["split_step"] == 1 and got.features["overlap"] == 0
+
+
+def test_the_cost_model_trades_bucket_count_against_overlap():
+    # Eight layers of equal size in backward order. k even buckets overlap
+    # (k - 1) / (2k) of the transfer and pay a launch each: large gradients are best in
+    # many buckets, tiny ones in one.
+    def best_buckets(elements):
+        variables = [vec(f"l{i}", elements, ready_rank=i) for i in range(8)]
+
+        def total(k):
+            nodes = [common.ar_node_config(v.name, i * k // 8) for i, v in enumerate(variables)]
+            return predict(strategy_of(TWO_BY_TWO, *nodes), variables, TWO_BY_TWO)
+        return min((1, 2, 4, 8), key=total)
+
+    assert best_buckets(1_000_000) == 8
+    assert best_buckets(1_000) == 1
+
+
 def test_accumulation_pays_one_sync_per_cycle_carrying_every_runs_rows():
     emb = VariableInfo("emb", (1000, 64), "float32", sparse_grad=True)  # 256 B per row
     variables = [vec("v"), emb]

@@ -177,6 +177,18 @@ def test_samples_spread_over_synchronizers_servers_and_groups(samples):
     assert 20 < proxies < 200
 
 
+def test_all_reduce_runs_the_ring_or_scatter_gather_one_per_sample(samples):
+    spec = synchronizers_pb2.AllReduceSynchronizer.Spec
+    drawn = collections.Counter()
+    for strategy in samples:
+        specs = {n.AllReduceSynchronizer.spec for _, _, _, n in units(strategy)
+                 if n.WhichOneof("synchronizer") == "AllReduceSynchronizer"}
+        assert len(specs) <= 1, (strategy.id, specs)  # a sample never mixes them
+        drawn.update(specs)
+    assert set(drawn) == {spec.AUTO, spec.SCATTER_GATHER}
+    assert min(drawn.values()) > 0.3 * sum(drawn.values())
+
+
 def test_nodes_sum_their_replicas_first_only_where_that_changes_something(samples):
     # THREE_NODES has nodes of 2, 1 and 3 replicas: summing per node saves pushes.
     with_sums = 0

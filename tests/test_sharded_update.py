@@ -164,6 +164,16 @@ def test_the_cost_model_charges_the_gather_and_a_share_of_the_update_per_node():
     assert sharded.features["all_gather"] == pytest.approx(0.75 * 4e6 * 8 / 1e9)
     assert sharded.features["optimizer_update"] == pytest.approx(whole.features[
         "optimizer_update"] / 4)
+    # Two variables' gradients in two buckets, the last layer's first: its reduction
+    # overlaps the other half of the backward pass, as it would under AllReduce.
+    layers = [VariableInfo(n, (1000, 1000), "float32", ready_rank=r)
+              for n, r in (("first", 1), ("last", 0))]
+    item = type("Item", (), {"trainable_variables": layers})()
+    two = model.breakdown(ShardedUpdateAR(bucket_bytes=4_000_000).build(item, spec), layers, spec,
+                          batch_size=8)
+    assert two.features["overlap"] == pytest.approx(
+        two.features["ring_all_reduce"] / 2 * 0.5)
+    assert {r.variable for r in two.rows if r.component == "overlap"} == {"last"}
 
 
 # ------------------------------------------------------------------------ a cluster

@@ -8,12 +8,16 @@ The prediction is a linear combination of a few named components, each a
   slowest link of the ring binds (the lowest NIC bandwidth when the ring spans
   several nodes, the host's local bandwidth between replicas of one node).
   A group sends what its compressor class puts on the wire (fp16: 2-byte values).
+* ``scatter_gather`` (seconds at nominal bandwidth): a dense group whose spec is
+  ``SCATTER_GATHER`` costs ``2 (m - 1) / m * bytes / bandwidth`` across ``m``
+  nodes, each node's replicas summed locally first
+  (``scatter_gather.transfer_seconds``).
 * ``all_gather`` (seconds at nominal bandwidth): a sparse AllReduce part is
   all-gathered, ``(n - 1) * sparse bytes per replica / bandwidth``.
-* ``collective_latency`` (collectives launched per step): one per dtype of a
-  dense group (the kernel reduces each dtype in a buffer of its own; the
-  sampler's groups hold one), three per sparse AllReduce part (the kernel
-  gathers counts, values, indices).
+* ``collective_latency`` (reductions launched per step): one per dtype of a
+  dense group, ring or scatter-gather (the kernel reduces each dtype in a
+  buffer of its own; the sampler's groups hold one), three per sparse
+  AllReduce part (the kernel gathers counts, values, indices).
 * ``all_reduce_part_overhead`` (all-reduced parts with a gradient): fixed work
   per part and step on every replica: its gradient is copied into and out of
   its collective's buffer and the part is updated on its own, so cutting
@@ -41,6 +45,11 @@ The prediction is a linear combination of a few named components, each a
   for PS and on every node for AllReduce (each node keeps a copy), so it costs
   CPU time that PS placement can spread over the nodes and AllReduce cannot.
   On one node every strategy updates every variable there, so it is left out.
+* ``overlap`` (seconds at nominal bandwidth, a negative weight): the transfer
+  of a dense all-reduce group that can run while the backward pass computes
+  the gradients after its own: its transfer time times the share of gradients
+  ready after its last one. More, smaller buckets raise it and pay
+  ``collective_latency`` per bucket; that is the trade AutoStrategy makes.
 
 Each synchronizer kind charges its own parts (``SynchronizerKind.cost``; the
 rules by which PS traffic loads each resource are in ``synchronizers/ps.py``);
@@ -62,9 +71,9 @@ import numpy as np
 from autodist.network import ClusterView, cluster_view, in_order_sum
 from autodist.simulator.traffic import KIND_NUMBERS, SyncParts, sync_parts
 
-COMPONENTS = ("ring_all_reduce", "all_gather", "collective_latency", "all_reduce_part_overhead",
-              "ps_transfer", "ps_part_overhead", "ps_serving_nodes", "split_step",
-              "optimizer_update")
+COMPONENTS = ("ring_all_reduce", "scatter_gather", "all_gather", "collective_latency",
+              "all_reduce_part_overhead", "ps_transfer", "ps_part_overhead", "ps_serving_nodes",
+              "split_step", "optimizer_update", "overlap")
 """Names of the cost components, in report order."""
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +86,10 @@ class CostWeights:
 
     Attributes:
         ring_all_reduce: multiplier of the ring transfer time.
+        scatter_gather: multiplier of the scatter-gather transfer time: below the
+            ring's, as that path spends less CPU per byte (0.10 against 0.15 CPU s
+            per process for 42 MB on 4 nodes, ``docs/notes/peers.md``), which
+            binds once links are fast.
         all_gather: multiplier of the sparse all-gather transfer time.
         collective_latency: seconds per collective: a ring over gRPC makes
             ``2 (n - 1)`` dependent hops of some tens of microseconds each.
@@ -96,9 +109,18 @@ class CostWeights:
             node: tf.compat.v1 Adam reads and writes the variable, its two
             slots and the gradient; fitted on the mlp trials of
             ``benchmarks/auto_vs_builders.py`` (``docs/notes/auto_strategy.md``).
+        overlap: multiplier of the overlappable transfer time, negative: -1
+            hides all of it, as the CNN of ``benchmarks/overlap.py`` does (2
+            nodes at 1 Gbit/s, ``AllReduce``: 45 ms overlappable, 51 ms hidden,
+            ``docs/benchmarks.md``). A transfer hides only behind compute that
+            is there, and the model does not know the compute: the 42 MB MLP of
+            ``benchmarks/peers.py`` at 8 rows per replica computes its backward
+            pass in some 20 ms against 0.5 s of transfer, and hides next to
+            nothing. The default takes half; the trials' calibration refits it.
     """
 
     ring_all_reduce: float = 1.0
+    scatter_gather: float = 0.8
     all_gather: float = 1.0
     collective_latency: float = 2e-4
     all_reduce_part_overhead: float = 1e-3
@@ -107,6 +129,7 @@ class CostWeights:
     ps_serving_nodes: float = 0.04
     split_step: float = 0.05
     optimizer_update: float = 2.0
+    overlap: float = -0.5
 
 
 @dataclasses.dataclass(frozen=True)

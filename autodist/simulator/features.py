@@ -31,12 +31,13 @@ _ERROR_FEEDBACK = np.array([COMPRESSORS[v].error_feedback for v in range(len(COM
 _FIRST_COMPONENT_COLUMN = FEATURE_NAMES.index(f"{COMPONENTS[0]}_ms")
 _TOTAL_MS = FEATURE_NAMES.index("log_total_ms")
 
-FEATURES_VERSION = 9
+FEATURES_VERSION = 10
 """Changes when a feature's meaning does (2: PS pushes and pulls add up as phases; 3: the
 serving-node and split-step components; 4: proxy refreshes overlap pushes; 5: a collective
 per dtype of an all-reduce group; 6: the optimizer-update component; 7: the all-reduce
 part-overhead component; 8: sparse parts never count as fp16; 9: a share column per
-synchronizer kind), so that a simulator saved for the old features is not reused."""
+synchronizer kind; 10: the scatter-gather and overlap components), so that a simulator
+saved for the old features is not reused."""
 
 
 def strategy_features(strategy: Any, variables: Any, resource_spec: Any, *, batch_size: int,

@@ -90,6 +90,8 @@ class SyncParts:
             (``SynchronizerKind.uses_collectives``).
         remote_ops: on a cluster its step runs ops on other nodes' devices
             (``SynchronizerKind.uses_remote_ops``).
+        ready_rank: when the backward pass computes its variable's gradient
+            (``VariableInfo.ready_rank``; 0: first).
     """
 
     variables: List[str]
@@ -111,6 +113,7 @@ class SyncParts:
     dtype: np.ndarray
     collective: np.ndarray
     remote_ops: np.ndarray
+    ready_rank: np.ndarray
 
     def of_kind(self, kind) -> np.ndarray:
         """The indices of the parts of ``kind`` (a class of the registry)."""
@@ -156,6 +159,7 @@ def _columns(infos: List[Any], names: List[str], records: List[tuple],
     row = table[:, 0].astype(np.intp)
     flags = np.array([(info.has_grad, info.sparse_grad) for info in infos],
                      dtype=bool).reshape(len(infos), 2)[row]
+    ready_rank = np.array([info.ready_rank for info in infos], dtype=np.int64)[row]
     _, dtype = np.unique([info.dtype for info in infos], return_inverse=True)
     servers = list(dict.fromkeys(map(node_of, devices)))  # a node's devices share its NIC
     # Device -1 (parts without a server) picks the appended -1.
@@ -165,7 +169,7 @@ def _columns(infos: List[Any], names: List[str], records: List[tuple],
                      flags[:, 0], flags[:, 1], table[:, 1], table[:, 2], table[:, 4], servers,
                      server, table[:, 6] != 0, table[:, 7].astype(np.int64), table[:, 8] != 0,
                      table[:, 9].astype(np.int64), table[:, 10].astype(np.int64), dtype[row],
-                     table[:, 11] != 0, table[:, 12] != 0)
+                     table[:, 11] != 0, table[:, 12] != 0, ready_rank)
 
 
 def sync_parts(strategy: Any, variables: Sequence[Any], batch_size: int,

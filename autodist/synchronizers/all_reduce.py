@@ -33,9 +33,10 @@ from autodist.synchronizers import scatter_gather
 from autodist.synchronizers.base import (COLLECTIVE_GROUP_KEY, RING_SUBDIVISIONS,
                                          CollectiveKeys, KindCost, KindSampling, Member,
                                          Ownership, PartStorage, Reduced,
-                                         SynchronizerKind, balanced_groups, collective_numbers,
-                                         dense_by_dtype, draw_group_count, draw_share, flatten,
-                                         launch_order, most_groups, unflatten)
+                                         SynchronizerKind, backward_left, balanced_groups,
+                                         collective_numbers, dense_by_dtype, draw_group_count,
+                                         draw_share, flatten, launch_order, most_groups,
+                                         unflatten)
 from autodist.synchronizers.compressor import LOSSY, compressor_class
 
 _CONFIG = synchronizers_pb2.AllReduceSynchronizer
@@ -67,12 +68,20 @@ class AllReduceSynchronizer(SynchronizerKind):
 
     @classmethod
     def cost(cls, parts, index: np.ndarray, cluster: ClusterView, split_step: bool) -> KindCost:
-        """The ring, all-gather, latency and part-overhead components of the parts with a gradient.
+        """The transfer, all-gather, latency, part-overhead and overlap components of the
+        parts with a gradient.
 
-        Every dense group costs ``2 (n - 1) / n * bytes / bandwidth`` for ``n``
-        replicas on the ring's slowest link; a sparse part is all-gathered,
-        ``(n - 1) * bytes / bandwidth``. Collectives: one per dtype of a dense
-        group, three per sparse part.
+        A dense group reduced by the ring costs ``2 (n - 1) / n * bytes /
+        bandwidth`` for ``n`` replicas on the ring's slowest link
+        (``ring_all_reduce``); one reduced by scatter-gather, what
+        :func:`scatter_gather.transfer_seconds` says (``scatter_gather``). A
+        sparse part is all-gathered, ``(n - 1) * bytes / bandwidth``. Reductions
+        launched: one per dtype of a dense group, three per sparse part.
+
+        ``overlap`` is each dense group's transfer time times the share of the
+        backward pass still to run when its last gradient is ready
+        (:func:`backward_left`): what its reduction can hide behind that
+        compute. A split step has none: its reductions wait for its second run.
         """
         index = index[parts.has_grad[index]]
         n = cluster.num_replicas
@@ -83,28 +92,32 @@ class AllReduceSynchronizer(SynchronizerKind):
         gather = seconds((n - 1) * parts.grad_bytes[sparse], gbps)
         dense = index[~parts.sparse[index]]
         collective, launches = launch_order(parts, dense)
-        # Each dtype's collective moves its own bytes; the ring time is linear in them,
-        # so it adds up per group as it would for one buffer.
-        collective_bytes = np.bincount(collective, parts.wire_bytes[dense], minlength=launches)
-        ring_factor = 2.0 * (n - 1) / n
-        features = {"ring_all_reduce": in_order_sum(seconds(ring_factor * collective_bytes,
-                                                            gbps)),
+        order = np.argsort(collective, kind="stable")  # collective by collective, as launched
+        dense, collective = dense[order], collective[order]
+        ring = parts.collective[dense]
+        wire = parts.wire_bytes[dense]
+        transfer = np.where(ring, seconds(2.0 * (n - 1) / n * wire, gbps),
+                            scatter_gather.transfer_seconds(wire, cluster))
+        hidden = transfer * (0.0 if split_step
+                             else backward_left(parts, dense, collective, launches))
+        members = np.bincount(collective, minlength=launches)
+        features = {"ring_all_reduce": in_order_sum(transfer[ring]),
+                    "scatter_gather": in_order_sum(transfer[~ring]),
                     "all_gather": in_order_sum(gather),
                     "collective_latency": float(_GATHERS_PER_SPARSE_PART * len(sparse)
                                                 + launches),
-                    "all_reduce_part_overhead": float(len(index))}
-        order = np.argsort(collective, kind="stable")
-        dense, collective = dense[order], collective[order]
-        members = np.bincount(collective, minlength=launches)
-        ring = seconds(ring_factor * parts.wire_bytes[dense], gbps)
+                    "all_reduce_part_overhead": float(len(index)),
+                    "overlap": in_order_sum(hidden)}
         return KindCost(features, [
             (sparse, [("all_gather", gather, True),
                       ("collective_latency", float(_GATHERS_PER_SPARSE_PART), True),
                       ("all_reduce_part_overhead", 1.0, True)]),
-            # Collective by collective, as launched; a launch is shared evenly by its members.
-            (dense, [("ring_all_reduce", ring, True),
+            # A launch is shared evenly by its members.
+            (dense, [("ring_all_reduce", transfer, ring),
+                     ("scatter_gather", transfer, ~ring),
                      ("collective_latency", 1.0 / members[collective], True),
-                     ("all_reduce_part_overhead", 1.0, True)])])
+                     ("all_reduce_part_overhead", 1.0, True),
+                     ("overlap", hidden, hidden > 0)])])
 
     @classmethod
     def update_shares(cls, parts, index: np.ndarray, nodes: List[str], server_node: np.ndarray,
@@ -335,16 +348,20 @@ def _gather(tensor: tf.Tensor, group_size: int, instance_key: int) -> tf.Tensor:
 # --------------------------------------------------------------------------- costs and sampling
 
 _GATHERS_PER_SPARSE_PART = 3  # the kernel gathers row counts, values and indices
+_SAMPLED_SPECS = ("AUTO", "SCATTER_GATHER")
+"""The implementations the sampler draws, one per sample: the ring, or send/recv."""
 
 
 @dataclasses.dataclass(frozen=True)
 class _Knobs:
     groups: int          # groups per gradient dtype
     fp16_share: float    # of the floating groups, compressed (when lossy choices are allowed)
+    spec: str            # every group's all-reduce implementation
 
 
 class _AllReduceSampling(KindSampling):
-    """The sampler's AllReduce choices: how many groups, their compressors; balanced groups."""
+    """The sampler's AllReduce choices: how many groups, their compressors, the ring or
+    scatter-gather; balanced groups."""
 
     def __init__(self, variables: list, constraints):
         self._constraints = constraints
@@ -356,7 +373,7 @@ class _AllReduceSampling(KindSampling):
     def draw_knobs(self, rng: random.Random) -> _Knobs:
         c = self._constraints
         return _Knobs(draw_group_count(rng, self._most_groups),
-                      draw_share(rng) if c.allow_fp16 else 0.0)
+                      draw_share(rng) if c.allow_fp16 else 0.0, rng.choice(_SAMPLED_SPECS))
 
     def configs(self, units: list, knobs: _Knobs, rng: random.Random) -> Dict[str, object]:
         """Buckets of about equal bytes in backward order (:func:`balanced_groups`); a
@@ -370,7 +387,7 @@ class _AllReduceSampling(KindSampling):
         compressors.setdefault(0, "NoneCompressor")
         # One config per compressor, copied per group: the helper's enum lookups
         # run a few times per sample rather than once per group.
-        by_compressor = {name: common.ar_node_config("", 0, compressor=name)
+        by_compressor = {name: common.ar_node_config("", 0, knobs.spec, name)
                          for name in set(compressors.values())}
         templates = {}
         for group, name in compressors.items():

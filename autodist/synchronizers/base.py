@@ -234,6 +234,26 @@ def launch_order(parts, index: np.ndarray) -> Tuple[np.ndarray, int]:
     return np.argsort(np.argsort(first))[collective], len(first)
 
 
+def backward_left(parts, dense: np.ndarray, collective: np.ndarray,
+                  launches: int) -> np.ndarray:
+    """Per dense part ``dense``: the share of the backward pass left to run once its
+    collective's last gradient is ready (``collective``, ``launches``: as
+    :func:`launch_order` numbers them).
+
+    The clock is the gradients' order (``ready_rank``): the share is that of the
+    gradients ready after it, as if each cost the backward pass alike. It is rough
+    (a convolution's gradient costs more than a dense layer's of the same bytes),
+    and the weight of ``overlap`` says how much of it a cluster really hides. The
+    last collective launched has none left; gradients without a known order (rank
+    0 for all) get none either.
+    """
+    ranks = parts.ready_rank[parts.has_grad]
+    ranked = int(ranks.max()) + 1 if ranks.size else 1
+    last = np.zeros(launches, dtype=np.int64)
+    np.maximum.at(last, collective, parts.ready_rank[dense])
+    return ((ranked - 1 - last) / ranked)[collective]
+
+
 def most_groups(variables: list, constraints) -> int:
     """The most collective groups per dtype a sampler may draw: at most
     ``constraints.max_groups``, and no more than the units there can be."""

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 from typing import List, Tuple
 
+import numpy as np
 import tensorflow as tf
 
 from autodist.kernel_context import KernelContext
+from autodist.network import ClusterView, seconds
 from autodist.synchronizers.base import CollectiveKeys, dense_by_dtype, flatten, stash, unflatten
 from autodist.synchronizers.compressor import compressor_class
 
@@ -32,6 +34,21 @@ def slice_sizes(size: int, num_nodes: int) -> List[int]:
     first ``size % num_nodes`` slices one larger (a slice may be empty)."""
     base, extra = divmod(size, num_nodes)
     return [base + (node < extra) for node in range(num_nodes)]
+
+
+def transfer_seconds(wire_bytes: np.ndarray, cluster: ClusterView) -> np.ndarray:
+    """Seconds at nominal rate to reduce buffers of ``wire_bytes`` this way, one per buffer.
+
+    Across ``m`` nodes each node sends and receives ``2 (m - 1) / m`` of a buffer
+    over its NIC, the slowest NIC binding; its replicas meet in one local sum
+    first, so the replicas per node do not count. On one node the local sum
+    reads every replica's buffer once over the local bus.
+    """
+    nodes = len(cluster.replicas_per_node)
+    if nodes > 1:
+        gbps = min(cluster.nic_gbps[node] for node in cluster.replicas_per_node)
+        return seconds(2.0 * (nodes - 1) / nodes * wire_bytes, gbps)
+    return seconds((cluster.num_replicas - 1) * wire_bytes, cluster.local_gbps)
 
 
 def _queue(key: int, phase: str, source: int, target: int, dtypes: list,

@@ -40,9 +40,9 @@ from autodist.strategy.base import StrategyError
 from autodist.synchronizers.all_reduce import create_all_reduce_storage
 from autodist.synchronizers.base import (COLLECTIVE_GROUP_KEY, RING_SUBDIVISIONS, KindCost,
                                          KindSampling, Member, Ownership, PartStorage, Reduced,
-                                         SynchronizerKind, Target, balanced_groups,
-                                         collective_numbers, draw_group_count, launch_order,
-                                         most_groups)
+                                         SynchronizerKind, Target, backward_left,
+                                         balanced_groups, collective_numbers, draw_group_count,
+                                         launch_order, most_groups)
 
 _COLLECTIVES_PER_GROUP = 2  # the reduce and the gather of the shards' order; a gather per part
 
@@ -115,7 +115,8 @@ class ShardedUpdateSynchronizer(SynchronizerKind):
     def cost(cls, parts, index: np.ndarray, cluster: ClusterView, split_step: bool) -> KindCost:
         """A ring all-reduce of the gradients and an all-gather of the updated shards;
         two collectives per group and dtype and one per part; the part overhead of
-        all-reduced parts."""
+        all-reduced parts; the gradients' reduction overlapping the backward pass as
+        an all-reduce group's does (``AllReduceSynchronizer.cost``)."""
         index = index[parts.has_grad[index]]
         n = cluster.num_replicas
         if n < 2 or not index.size:
@@ -127,14 +128,16 @@ class ShardedUpdateSynchronizer(SynchronizerKind):
         members = np.bincount(collective, minlength=launches)
         ring = seconds(2.0 * (n - 1) / n * parts.wire_bytes[index], gbps)
         gather = seconds((n - 1) / n * parts.value_bytes[index], gbps)
+        hidden = ring * (0.0 if split_step else backward_left(parts, index, collective, launches))
         features = {"ring_all_reduce": in_order_sum(ring), "all_gather": in_order_sum(gather),
                     "collective_latency": float(_COLLECTIVES_PER_GROUP * launches
                                                 + len(index)),
-                    "all_reduce_part_overhead": float(len(index))}
+                    "all_reduce_part_overhead": float(len(index)),
+                    "overlap": in_order_sum(hidden)}
         return KindCost(features, [(index, [
             ("ring_all_reduce", ring, True), ("all_gather", gather, True),
             ("collective_latency", _COLLECTIVES_PER_GROUP / members[collective] + 1.0, True),
-            ("all_reduce_part_overhead", 1.0, True)])])
+            ("all_reduce_part_overhead", 1.0, True), ("overlap", hidden, hidden > 0)])])
 
     @classmethod
     def update_shares(cls, parts, index: np.ndarray, nodes: List[str], server_node: np.ndarray,
