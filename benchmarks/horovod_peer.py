@@ -163,25 +163,24 @@ def _stream(argv: list, env: dict, record, log, what: str, log_path: str) -> Non
 
 def job(warmup: int, timed: int) -> None:
     """One Horovod rank: Keras 2 ``fit`` with the distributed optimizer and the broadcast."""
-    # pylint: disable=protected-access
-    kst._limit_threads()
+    kst.limit_threads()
     import horovod.tensorflow.keras as hvd
     import keras
     import numpy as np
 
     hvd.init()
-    x, y = kst._data(hvd.rank(), kst.ROWS_PER_REPLICA * (warmup + timed))
+    x, y = kst.synthetic_data(hvd.rank(), kst.ROWS_PER_REPLICA * (warmup + timed))
     keras.utils.set_random_seed(0)
-    model = kst._build_model(wrap_optimizer=hvd.DistributedOptimizer)
-    timer = kst._timer(warmup)
+    model = kst.build_model(wrap_optimizer=hvd.DistributedOptimizer)
+    timer = kst.batch_timer(warmup)
     model.fit(x, y, batch_size=kst.ROWS_PER_REPLICA, epochs=1, verbose=0, shuffle=False,
               callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), timer])
     digest = hashlib.sha256(b"".join(np.ascontiguousarray(w).tobytes()
                                      for w in model.get_weights())).hexdigest()
     print(_CHECKSUM_TAG + json.dumps({"rank": hvd.rank(), "sha256": digest}), flush=True)
-    kst._print_cpu(SYSTEM, hvd.rank(), timer)
+    kst.print_cpu(SYSTEM, hvd.rank(), timer)
     if hvd.rank() == 0:
-        kst._print_result(SYSTEM, timer)
+        kst.print_result(SYSTEM, timer)
 
 
 def serve_rendezvous(hosts: list, address: str) -> None:
@@ -206,25 +205,24 @@ def serve_rendezvous(hosts: list, address: str) -> None:
 
 def run(cluster, venv: str, args) -> dict:
     """One Horovod job on ``cluster``: its row, or an error row."""
-    # pylint: disable=protected-access
     python, here = venv_python(venv), os.path.abspath(__file__)
     chief = cluster.hosts[0]
     rendezvous = subprocess.Popen(
         chief.launch_prefix + [python, here, "--_rendezvous", chief.address,
                                *[h.name for h in cluster.hosts]],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=kst._env(), start_new_session=True)
+        env=kst.job_env(), start_new_session=True)
     try:
         ranks = _read_ranks(rendezvous)
         if isinstance(ranks, str):
             return {"system": SYSTEM, "error": ranks}
-        procs = [kst._start(host.launch_prefix + [
+        procs = [kst.start_job(host.launch_prefix + [
             python, here, "--_job", "--warmup", str(args.warmup), "--timed", str(args.timed)],
-            kst._env(**env)) for host, env in zip(cluster.hosts, ranks)]
-        outputs = kst._collect(procs, args.timeout)
+            kst.job_env(**env)) for host, env in zip(cluster.hosts, ranks)]
+        outputs = kst.collect(procs, args.timeout)
     finally:
-        kst._stop(rendezvous)
-    row = kst._result(SYSTEM, outputs)
+        kst.stop_job(rendezvous)
+    row = kst.job_result(SYSTEM, outputs)
     digests = {}
     for _, out, _ in outputs:
         for line in (out or "").splitlines():

@@ -97,14 +97,14 @@ _CPU_TAG = "KERAS_STEP_CPU "
 
 # --------------------------------------------------------------------------- the jobs
 
-def _limit_threads() -> None:
+def limit_threads() -> None:
     """The same thread limits as AutoDist's sessions, for the process's eager runtime."""
     import tensorflow as tf
     tf.config.threading.set_intra_op_parallelism_threads(int(os.environ["AUTODIST_INTRA_OP_THREADS"]))
     tf.config.threading.set_inter_op_parallelism_threads(int(os.environ["AUTODIST_INTER_OP_THREADS"]))
 
 
-def _build_model(sequential=None, wrap_optimizer=None):
+def build_model(sequential=None, wrap_optimizer=None):
     """The MLP, compiled with SGD and a cross-entropy from logits (call inside a scope).
 
     Only the API Keras 2 and Keras 3 share, so a peer running TensorFlow 2.15's
@@ -126,7 +126,7 @@ def _build_model(sequential=None, wrap_optimizer=None):
     return model
 
 
-def _data(seed: int, rows: int):
+def synthetic_data(seed: int, rows: int):
     """Synthetic (x, y): uniform inputs, random labels of the 10 classes."""
     import numpy as np
     rng = np.random.RandomState(seed)
@@ -140,7 +140,7 @@ def _process_cpu_s() -> float:
     return times.user + times.system
 
 
-def _timer(warmup: int):
+def batch_timer(warmup: int):
     """A callback timing every batch from ``on_train_batch_begin`` to ``on_train_batch_end``.
 
     It also takes the process's CPU time from the first timed batch's begin to the
@@ -171,13 +171,13 @@ def _timer(warmup: int):
     return BatchTimer()
 
 
-def _print_result(system: str, timer) -> None:
+def print_result(system: str, timer) -> None:
     print(_RESULT_TAG + json.dumps({
         "system": system, "median_s": statistics.median(timer.times), "times": timer.times,
         "first_loss": timer.losses[0], "last_loss": timer.losses[-1]}), flush=True)
 
 
-def _print_cpu(system: str, process: int, timer) -> None:
+def print_cpu(system: str, process: int, timer) -> None:
     """This process's CPU seconds per timed step (every process of a job prints one)."""
     print(_CPU_TAG + json.dumps({"system": system, "process": process,
                                  "cpu_s_per_step": timer.cpu_s / max(1, len(timer.times))}),
@@ -186,7 +186,7 @@ def _print_cpu(system: str, process: int, timer) -> None:
 
 def job_autodist(spec: str, builder: str, warmup: int, timed: int) -> None:
     """One node's part of an AutoDist run (the chief also launches the others); the chief prints."""
-    _limit_threads()
+    limit_threads()
     import keras
 
     from autodist import AutoDist
@@ -200,15 +200,15 @@ def job_autodist(spec: str, builder: str, warmup: int, timed: int) -> None:
         raise ValueError(f"keras_step_time: the spec's {replicas} replicas do not split evenly "
                          f"over its {num_nodes} nodes; give every node as many CPUs.")
     batch = ROWS_PER_REPLICA * replicas // num_nodes  # this node's rows per step
-    x, y = _data(ad.node_index, batch * (warmup + timed))
+    x, y = synthetic_data(ad.node_index, batch * (warmup + timed))
     keras.utils.set_random_seed(0)  # the same initial weights on every node and in every system
     with ad.scope():
-        model = _build_model()
-    timer = _timer(warmup)
+        model = build_model()
+    timer = batch_timer(warmup)
     model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False, callbacks=[timer])
-    _print_cpu(builder, ad.node_index, timer)  # a worker's stdout is the chief's
+    print_cpu(builder, ad.node_index, timer)  # a worker's stdout is the chief's
     if ad.is_chief:
-        _print_result(builder, timer)
+        print_result(builder, timer)
 
 
 def job_mirrored(warmup: int, timed: int) -> None:
@@ -217,18 +217,18 @@ def job_mirrored(warmup: int, timed: int) -> None:
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(
         cpu, [tf.config.LogicalDeviceConfiguration()] * ONE_NODE_REPLICAS)
-    _limit_threads()
+    limit_threads()
     import keras
     strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(ONE_NODE_REPLICAS)])
     batch = ROWS_PER_REPLICA * ONE_NODE_REPLICAS
-    x, y = _data(0, batch * (warmup + timed))
+    x, y = synthetic_data(0, batch * (warmup + timed))
     keras.utils.set_random_seed(0)
     with strategy.scope():
-        model = _build_model()
-    timer = _timer(warmup)
+        model = build_model()
+    timer = batch_timer(warmup)
     model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False, callbacks=[timer])
-    _print_cpu(PEERS["one_node"], 0, timer)
-    _print_result(PEERS["one_node"], timer)
+    print_cpu(PEERS["one_node"], 0, timer)
+    print_result(PEERS["one_node"], timer)
 
 
 def _mwms_sequential():
@@ -271,7 +271,7 @@ def _mwms_sequential():
 
 def job_mwms(warmup: int, timed: int) -> None:
     """One worker of a MultiWorkerMirroredStrategy run (``TF_CONFIG`` set by the driver)."""
-    _limit_threads()
+    limit_threads()
     import keras
     import tensorflow as tf
     task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
@@ -280,7 +280,7 @@ def job_mwms(warmup: int, timed: int) -> None:
     global_batch = ROWS_PER_REPLICA * strategy.num_replicas_in_sync
     # Each worker reads all of its own dataset (no auto-sharding) in global batches and
     # takes its replica's slice of each: 8 of its own rows per step.
-    x, y = _data(task, global_batch * (warmup + timed))
+    x, y = synthetic_data(task, global_batch * (warmup + timed))
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch).with_options(options)
@@ -291,12 +291,12 @@ def job_mwms(warmup: int, timed: int) -> None:
                            f"rows per step, not {ROWS_PER_REPLICA}.")
     keras.utils.set_random_seed(0)
     with strategy.scope():
-        model = _build_model(_mwms_sequential())
-    timer = _timer(warmup)
+        model = build_model(_mwms_sequential())
+    timer = batch_timer(warmup)
     model.fit(dataset, epochs=1, verbose=0, shuffle=False, callbacks=[timer])
-    _print_cpu(PEERS["cluster"], task, timer)
+    print_cpu(PEERS["cluster"], task, timer)
     if task == 0:
-        _print_result(PEERS["cluster"], timer)
+        print_result(PEERS["cluster"], timer)
 
 
 # --------------------------------------------------------------------------- the driver
@@ -306,17 +306,17 @@ def _job_argv(kind: str, args, *extra: str) -> list:
             "--warmup", str(args.warmup), "--timed", str(args.timed)]
 
 
-def _env(**extra: str) -> dict:
+def job_env(**extra: str) -> dict:
     path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
     return {**os.environ, "PYTHONPATH": path, **extra}
 
 
-def _start(argv: list, env: dict) -> subprocess.Popen:
+def start_job(argv: list, env: dict) -> subprocess.Popen:
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, start_new_session=True)
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop_job(proc: subprocess.Popen) -> None:
     """Ends a job's process group: SIGTERM (an AutoDist chief then stops its workers), then SIGKILL."""
     for sig, grace in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
         if proc.poll() is not None:
@@ -330,7 +330,7 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
-def _collect(procs: list, timeout: float) -> list:
+def collect(procs: list, timeout: float) -> list:
     """(returncode, stdout, stderr) of every process; none outlives ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     outputs = []
@@ -340,15 +340,15 @@ def _collect(procs: list, timeout: float) -> list:
                 out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
                 outputs.append((proc.returncode, out, err))
             except subprocess.TimeoutExpired:
-                _stop(proc)
+                stop_job(proc)
                 outputs.append((None, "", f"timed out after {timeout:.0f} s"))
     finally:
         for proc in procs:  # also after Ctrl-C: no job may outlive the cluster
-            _stop(proc)
+            stop_job(proc)
     return outputs
 
 
-def _result(system: str, outputs: list) -> dict:
+def job_result(system: str, outputs: list) -> dict:
     """The result line of the first process's stdout, or an error row quoting stderr.
 
     The row's ``cpu_s_per_step`` lists the CPU line of every process that printed
@@ -373,7 +373,7 @@ def run_one_node(system: str, spec: str, args) -> dict:
     """One job of the one_node setting: a builder, or MirroredStrategy."""
     argv = (_job_argv("mirrored", args) if system == PEERS["one_node"]
             else _job_argv("autodist", args, "--spec", spec, "--builder", system))
-    return _result(system, _collect([_start(argv, _env())], args.timeout))
+    return job_result(system, collect([start_job(argv, job_env())], args.timeout))
 
 
 def run_cluster(system: str, spec: str, cluster, args, port: int) -> dict:
@@ -381,13 +381,13 @@ def run_cluster(system: str, spec: str, cluster, args, port: int) -> dict:
     if system != PEERS["cluster"]:
         argv = cluster.hosts[0].launch_prefix + _job_argv("autodist", args, "--spec", spec,
                                                           "--builder", system)
-        return _result(system, _collect([_start(argv, _env())], args.timeout))
+        return job_result(system, collect([start_job(argv, job_env())], args.timeout))
     workers = [f"{h.address}:{port}" for h in cluster.hosts]
     procs = []
     for i, host in enumerate(cluster.hosts):
         config = json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}})
-        procs.append(_start(host.launch_prefix + _job_argv("mwms", args), _env(TF_CONFIG=config)))
-    return _result(system, _collect(procs, args.timeout))
+        procs.append(start_job(host.launch_prefix + _job_argv("mwms", args), job_env(TF_CONFIG=config)))
+    return job_result(system, collect(procs, args.timeout))
 
 
 def run_rounds(setting: str, systems: list, run, rounds: int, rotate: bool = False) -> dict:
@@ -518,7 +518,7 @@ def format_section(tables: dict, args, start_load: str, info: dict, elapsed: flo
              "", "Command: `python benchmarks/keras_step_time.py" +
              ("".join(f" {a}" for a in _nondefault_args(args))) + "`", "",
              f"Measured {info['date']} on {info['cores']} cores ({info['cpu']}), TensorFlow "
-             f"{info['tf']}, Keras {_keras_version()}, Python {info['python']}; median of "
+             f"{info['tf']}, Keras {keras_version()}, Python {info['python']}; median of "
              f"{args.rounds} rounds, each job {args.warmup} warm-up + {args.timed} timed batches, "
              f"1 intra-op / 2 inter-op threads per process; 1-minute load average {start_load} at "
              f"the start, {info['load']} at the end (other work on the machine inflates the "
@@ -558,7 +558,7 @@ def _nondefault_args(args) -> list:
     return out
 
 
-def _keras_version() -> str:
+def keras_version() -> str:
     from importlib import metadata
     return metadata.version("keras")
 

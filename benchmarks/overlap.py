@@ -128,7 +128,7 @@ def _data(seed: int, rows: int, stand_in: bool):
 
 def job(spec: str, builder: str, stand_in: bool, warmup: int, timed: int) -> None:
     """One node's part of a run (the chief launches the others); the chief prints the result."""
-    kst._limit_threads()  # pylint: disable=protected-access
+    kst.limit_threads()
     import keras
 
     from autodist import AutoDist
@@ -141,12 +141,12 @@ def job(spec: str, builder: str, stand_in: bool, warmup: int, timed: int) -> Non
     shapes = _cnn_shapes() if stand_in else None  # outside the scope: not trained
     with ad.scope():
         model = _stand_in(shapes) if stand_in else _cnn()
-    timer = kst._timer(warmup)  # pylint: disable=protected-access
+    timer = kst.batch_timer(warmup)
     model.fit(x, y, batch_size=ROWS_PER_REPLICA, epochs=1, verbose=0, shuffle=False,
               callbacks=[timer])
-    kst._print_cpu(builder, ad.node_index, timer)  # pylint: disable=protected-access
+    kst.print_cpu(builder, ad.node_index, timer)
     if ad.is_chief:
-        kst._print_result(builder, timer)  # pylint: disable=protected-access
+        kst.print_result(builder, timer)
 
 
 # --------------------------------------------------------------------------- the driver
@@ -197,8 +197,8 @@ def measure(args) -> dict:
             else:
                 builder = _one_bucket(args.builder) if system == ONE_BUCKET else args.builder
                 argv = chief + _job_argv(spec, builder, system == COMMUNICATION, args)
-            # pylint: disable=protected-access
-            return kst._result(system, kst._collect([kst._start(argv, kst._env())], args.timeout))
+            return kst.job_result(system, kst.collect([kst.start_job(argv, kst.job_env())],
+                                                      args.timeout))
 
         return kst.run_rounds("overlap", list(SYSTEMS), run, args.rounds, rotate=True)
 

@@ -316,7 +316,7 @@ def _findings(tables: dict) -> list:
 
 def format_section(tables: dict, links: dict, verdicts: list, args, command: str, info: dict,
                    start_load: str, elapsed: float, horovod_versions: str) -> str:
-    keras_version = kst._keras_version()  # pylint: disable=protected-access
+    keras_version = kst.keras_version()
     outcomes = [m for _, cells in verdicts for m, _ in cells.values()]
     result = (f"{outcomes.count(True)} of the {len(outcomes)} checks (goal x setting) **met**, "
               f"{outcomes.count(False)} **missed**"
