@@ -119,7 +119,14 @@ def build_model(sequential=None, wrap_optimizer=None):
     layers = ([keras.Input((LAYERS[0],))] +
               [keras.layers.Dense(n, activation="relu") for n in LAYERS[1:-1]] +
               [keras.layers.Dense(LAYERS[-1])])
-    model = (sequential or keras.Sequential)(layers)
+    return compiled((sequential or keras.Sequential)(layers), wrap_optimizer)
+
+
+def compiled(model, wrap_optimizer=None):
+    """``model`` compiled with SGD (learning rate 0.01) and a cross-entropy from logits,
+    the training every benchmark model of these scripts gets; ``wrap_optimizer`` as
+    in :func:`build_model`."""
+    import keras
     optimizer = keras.optimizers.SGD(0.01)
     model.compile(optimizer=wrap_optimizer(optimizer) if wrap_optimizer else optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -386,7 +393,8 @@ def run_cluster(system: str, spec: str, cluster, args, port: int) -> dict:
     procs = []
     for i, host in enumerate(cluster.hosts):
         config = json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}})
-        procs.append(start_job(host.launch_prefix + _job_argv("mwms", args), job_env(TF_CONFIG=config)))
+        procs.append(start_job(host.launch_prefix + _job_argv("mwms", args),
+                               job_env(TF_CONFIG=config)))
     return job_result(system, collect(procs, args.timeout))
 
 
@@ -534,7 +542,8 @@ def format_section(tables: dict, args, start_load: str, info: dict, elapsed: flo
 def add_job_args(parser: argparse.ArgumentParser) -> None:
     """The options of the scripts that run this module's jobs: rounds, batches, timeout."""
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: 3)")
-    parser.add_argument("--warmup", type=int, default=5, help="warm-up batches per job (default: 5)")
+    parser.add_argument("--warmup", type=int, default=5,
+                        help="warm-up batches per job (default: 5)")
     parser.add_argument("--timed", type=int, default=20, help="timed batches per job (default: 20)")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds per job (default: 300)")

@@ -1,4 +1,4 @@
-"""Does the all-reduce overlap the backward pass? A CNN's step against its compute and its communication.
+"""Does the all-reduce overlap the backward pass? A CNN's step against its compute and traffic.
 
 The model: a CNN on 32 x 32 x 3 inputs, three 3 x 3 convolutions (64, 128, 256
 filters, ReLU; max-pooling after the second and third), a dense layer of 256
@@ -84,7 +84,7 @@ def _cnn():
             layers.append(keras.layers.MaxPooling2D())
     layers += [keras.layers.Flatten(), keras.layers.Dense(DENSE, activation="relu"),
                keras.layers.Dense(CLASSES)]
-    return _compiled(keras.Sequential(layers))
+    return kst.compiled(keras.Sequential(layers))
 
 
 def _stand_in(shapes: list):
@@ -104,14 +104,7 @@ def _stand_in(shapes: list):
             total = sum(keras.ops.sum(w) for w in self.tensors)
             return keras.ops.zeros_like(x[:, :CLASSES]) + 1e-6 * total
 
-    return _compiled(keras.Sequential([keras.Input((CLASSES,)), Weights()]))
-
-
-def _compiled(model):
-    import keras
-    model.compile(optimizer=keras.optimizers.SGD(0.01),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
+    return kst.compiled(keras.Sequential([keras.Input((CLASSES,)), Weights()]))
 
 
 def _cnn_shapes() -> list:

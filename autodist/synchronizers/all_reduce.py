@@ -81,7 +81,7 @@ class AllReduceSynchronizer(SynchronizerKind):
         ``overlap`` is each dense group's transfer time times the share of the
         backward pass still to run when its last gradient is ready
         (:func:`backward_left`): what its reduction can hide behind that
-        compute. A split step has none: its reductions wait for its second run.
+        compute; none in a split step.
         """
         index = index[parts.has_grad[index]]
         n = cluster.num_replicas
@@ -98,8 +98,7 @@ class AllReduceSynchronizer(SynchronizerKind):
         wire = parts.wire_bytes[dense]
         transfer = np.where(ring, seconds(2.0 * (n - 1) / n * wire, gbps),
                             scatter_gather.transfer_seconds(wire, cluster))
-        hidden = transfer * (0.0 if split_step
-                             else backward_left(parts, dense, collective, launches))
+        hidden = transfer * backward_left(parts, dense, collective, launches, split_step)
         members = np.bincount(collective, minlength=launches)
         features = {"ring_all_reduce": in_order_sum(transfer[ring]),
                     "scatter_gather": in_order_sum(transfer[~ring]),

@@ -234,11 +234,12 @@ def launch_order(parts, index: np.ndarray) -> Tuple[np.ndarray, int]:
     return np.argsort(np.argsort(first))[collective], len(first)
 
 
-def backward_left(parts, dense: np.ndarray, collective: np.ndarray,
-                  launches: int) -> np.ndarray:
+def backward_left(parts, dense: np.ndarray, collective: np.ndarray, launches: int,
+                  split_step: bool) -> np.ndarray:
     """Per dense part ``dense``: the share of the backward pass left to run once its
     collective's last gradient is ready (``collective``, ``launches``: as
-    :func:`launch_order` numbers them).
+    :func:`launch_order` numbers them). None in a split step, whose reductions
+    wait for its second run.
 
     The clock is the gradients' order (``ready_rank``): the share is that of the
     gradients ready after it, as if each cost the backward pass alike. It is rough
@@ -247,6 +248,8 @@ def backward_left(parts, dense: np.ndarray, collective: np.ndarray,
     last collective launched has none left; gradients without a known order (rank
     0 for all) get none either.
     """
+    if split_step:
+        return np.zeros(len(dense))
     ranks = parts.ready_rank[parts.has_grad]
     ranked = int(ranks.max()) + 1 if ranks.size else 1
     last = np.zeros(launches, dtype=np.int64)

@@ -128,7 +128,7 @@ class ShardedUpdateSynchronizer(SynchronizerKind):
         members = np.bincount(collective, minlength=launches)
         ring = seconds(2.0 * (n - 1) / n * parts.wire_bytes[index], gbps)
         gather = seconds((n - 1) / n * parts.value_bytes[index], gbps)
-        hidden = ring * (0.0 if split_step else backward_left(parts, index, collective, launches))
+        hidden = ring * backward_left(parts, index, collective, launches, split_step)
         features = {"ring_all_reduce": in_order_sum(ring), "all_gather": in_order_sum(gather),
                     "collective_latency": float(_COLLECTIVES_PER_GROUP * launches
                                                 + len(index)),
