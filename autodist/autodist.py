@@ -150,7 +150,7 @@ class AutoDist:
             trained values; values changed between calls (``set_weights``,
             ``load_weights``) are picked up by the next call.
         """
-        return DistributedFunction(self._open_lifted_session, fn)
+        return DistributedFunction(self._open_lifted_session, fn, self._local_replicas)
 
     def create_distributed_session(self, config: Optional[tf.compat.v1.ConfigProto] = None
                                    ) -> DistributedSession:
@@ -164,11 +164,16 @@ class AutoDist:
         """
         return self._open_session(self._graph_item(), config)
 
+    @property
+    def _local_replicas(self) -> int:
+        """The replicas on this node, which split each batch it feeds."""
+        return len(self._resource_spec.node_replicas(self._role.address))
+
     def _open_lifted_session(self, lifted) -> DistributedSession:
         return self._open_session(lifted.item)
 
     def _distribute_fit(self, model) -> None:
-        distribute_fit(model, self._open_lifted_session)
+        distribute_fit(model, self._open_lifted_session, self._local_replicas)
 
     def _open_session(self, item: GraphItem, config: Optional[tf.compat.v1.ConfigProto] = None
                       ) -> DistributedSession:

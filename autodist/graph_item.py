@@ -108,15 +108,30 @@ class GradientRef:
 
     A dense gradient has ``values`` only; an IndexedSlices gradient also has
     ``indices`` and, usually, ``dense_shape``.
+
+    ``same_rows`` marks an IndexedSlices gradient whose indices every replica
+    computes alike, whatever its rows (a position table looked up at
+    ``range(sequence_length)``). Single-device training on the global batch
+    gets those indices once, with the batch's values summed per index; so the
+    replicas' gradients are synchronized as dense tensors (summed row by row),
+    not gathered side by side, where an update squaring each gathered row
+    (Adam, RMSprop) would square every replica's share apart.
     """
 
     values: str
     indices: Optional[str] = None
     dense_shape: Optional[str] = None
+    same_rows: bool = False
 
     @property
     def sparse(self) -> bool:
+        """Whether the graph computes it as an IndexedSlices."""
         return self.indices is not None
+
+    @property
+    def synchronized_sparse(self) -> bool:
+        """Whether the replicas' gradients are synchronized as IndexedSlices."""
+        return self.sparse and not self.same_rows
 
 
 class GraphItem:
@@ -196,15 +211,17 @@ class GraphItem:
                 # What the replicas compute and the kinds average: the raw gradient.
                 self.gradients[name] = gradient_ref(call.raw_gradients.get(name, grad))
         self.variables = {v.op.name: v for v in self._trainables}
+        self._classify_ops()
+        self._mark_same_rows()
         ranks = self._ready_ranks()
         self.trainable_variables = [
             VariableInfo(name=v.op.name, shape=tuple(v.shape.as_list()),
                          dtype=v.dtype.base_dtype.name,
-                         sparse_grad=self.gradients.get(v.op.name, GradientRef("")).sparse,
+                         sparse_grad=self.gradients.get(
+                             v.op.name, GradientRef("")).synchronized_sparse,
                          has_grad=v.op.name in self.gradients,
                          ready_rank=ranks.get(v.op.name, 0))
             for v in self._trainables]
-        self._classify_ops()
         # optimizer call index -> its gradient processing, where it has one
         self.processing = {index: self._processing(call)
                            for index, call in enumerate(self.optimizer_calls)
@@ -303,6 +320,16 @@ class GraphItem:
         self.replicated = replicated
         self.shared = set(nodes) - replicated - self.excluded
 
+    def _mark_same_rows(self) -> None:
+        """Sets ``same_rows`` on the sparse gradients whose indices no replica's rows change."""
+        sparse = {name: ref for name, ref in self.gradients.items() if ref.sparse}
+        if not sparse:
+            return
+        levels = _replica_dependence(self.graph, self.graph_def, self.batched_inputs)
+        for name, ref in sparse.items():
+            if levels.get(op_name(ref.indices), _SAME) == _SAME:
+                self.gradients[name] = dataclasses.replace(ref, same_rows=True)
+
     @property
     def fingerprint(self) -> str:
         """Digest of the graph's structure; every node of a job must build the same one.
@@ -350,3 +377,74 @@ def _is_batched(node) -> bool:
     """A placeholder whose first dimension is unknown holds a batch."""
     shape = node.attr["shape"].shape
     return not shape.unknown_rank and len(shape.dim) >= 1 and shape.dim[0].size == -1
+
+
+# How a tensor depends on a replica's rows: not at all, only through the batch
+# dimension of a shape vector (element 0 of ``tf.shape(batch)``), or otherwise.
+_SAME, _BATCH_DIM, _BY_ROWS = 0, 1, 2
+# Stateless random ops whose inputs are (shape, key, counter, alg); the replicator
+# salts their keys, so that every replica draws its own numbers.
+KEYED_RANDOM_OPS = ("StatelessRandomUniformV2", "StatelessRandomNormalV2",
+                    "StatelessTruncatedNormalV2", "StatelessRandomUniformIntV2",
+                    "StatelessRandomUniformFullIntV2")
+# Ops drawing other numbers on every replica.
+_PER_REPLICA_RANDOM_OPS = KEYED_RANDOM_OPS + ("RandomUniform", "RandomStandardNormal",
+                                              "TruncatedNormal", "RandomUniformInt",
+                                              "RandomShuffle", "Multinomial")
+
+
+def _replica_dependence(graph: tf.Graph, graph_def, batched_inputs: set) -> Dict[str, int]:
+    """Op name -> how its outputs depend on the replica's rows (``_SAME`` ... ``_BY_ROWS``).
+
+    ``tf.range(tf.shape(x)[-1])`` depends on no replica's rows: a shape's element
+    other than the batch dimension is the same on every replica. Anything else
+    reading the rows, a fed batch or a per-replica input does. Loops make the
+    graph cyclic, so the levels only rise until they are stable.
+    """
+    nodes = list(graph_def.node)
+    levels: Dict[str, int] = {}
+    changed = True
+    while changed:
+        changed = False
+        for node in nodes:
+            level = _dependence(graph, node, levels, batched_inputs)
+            if level > levels.get(node.name, _SAME):
+                levels[node.name] = level
+                changed = True
+    return levels
+
+
+def _dependence(graph: tf.Graph, node, levels: dict, batched_inputs: set) -> int:
+    if (node.name in batched_inputs or node.op in _PER_REPLICA_INPUT_OPS
+            or node.op in _PER_REPLICA_RANDOM_OPS):
+        return _BY_ROWS
+    data = [levels.get(op_name(i), _SAME) for i in node.input if not i.startswith("^")]
+    highest = max(data, default=_SAME)
+    if node.op == "Rank" or highest == _SAME:
+        return _SAME
+    if node.op == "Shape":
+        return _BATCH_DIM
+    if node.op == "StridedSlice" and data[0] == _BATCH_DIM and max(data[1:]) == _SAME:
+        index = _shape_element(graph, node)
+        if index is not None and index != 0:
+            return _SAME
+    return _BY_ROWS
+
+
+def _shape_element(graph: tf.Graph, node) -> Optional[int]:
+    """The element a ``StridedSlice`` takes out of a shape vector (``shape[k]``), or None."""
+    if not node.attr["shrink_axis_mask"].i & 1:
+        return None
+    begin = graph.get_operation_by_name(op_name(node.input[1]))
+    if begin.type != "Const":
+        return None
+    values = tf.make_ndarray(begin.get_attr("value")).reshape(-1)
+    rank = graph.get_tensor_by_name(tensor_name(node.input[0])).shape
+    if len(values) != 1 or rank.rank != 1:
+        return None
+    index = int(values[0])
+    if index < 0:
+        if rank[0] is None:
+            return None
+        index += int(rank[0])
+    return index

@@ -188,3 +188,31 @@ def test_keras_fit_accumulates_like_one_device_on_twice_the_batch(spec_path, bui
     for got, want in zip(model.optimizer.variables, single.optimizer.variables):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=RTOL, atol=ATOL)
     assert len(history.history["loss"]) == 2
+
+
+def test_keras_function_accumulates_like_one_device_on_twice_the_batch(spec_path):
+    """The step's returned loss must not pull the update into the runs that accumulate."""
+    x, y = _keras_data()
+
+    def train_step_of(model):
+        def train_step(xs, ys):
+            with tf.GradientTape() as tape:
+                loss = keras.ops.mean(keras.losses.mean_squared_error(ys, model(xs)))
+            gradients = tape.gradient(loss, model.trainable_variables)
+            model.optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+            return loss
+        return train_step
+
+    single = _keras_model()
+    step = tf.function(train_step_of(single))
+    for start in range(0, 64, 16):
+        step(x[start:start + 16], y[start:start + 16])
+    ad = AutoDist(spec_path, AllReduce(), accumulation_steps=2)
+    with ad.scope():
+        model = _keras_model()
+        step = ad.function(train_step_of(model))
+    losses = [float(step(x[start:start + 8], y[start:start + 8])) for start in range(0, 64, 8)]
+    assert all(np.isfinite(losses))
+    assert int(model.optimizer.iterations.numpy()) == int(single.optimizer.iterations.numpy()) == 4
+    for got, want in zip(model.get_weights(), single.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)

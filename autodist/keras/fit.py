@@ -18,7 +18,7 @@ import keras
 
 from autodist import _keras_compat
 from autodist.keras.function import DistributedStep
-from autodist.keras.step import LiftedStep, lift_step, signature
+from autodist.keras.step import LiftedStep, StepCache
 from autodist.session import DistributedSession
 
 
@@ -53,21 +53,23 @@ def check_distributable(model: keras.Model) -> None:
 class _FitRunner:
     """Runs ``fit``'s steps through AutoDist and keeps the model in sync with them.
 
-    Each step copies back only the state the forward pass writes (the metrics,
-    for the logs); the weights and the optimizer's state are copied back
+    Each step copies both ways only the small state: what the forward pass
+    writes (the metrics, for the logs) and the optimizer's scalars (its
+    iteration count, and a learning rate a callback sets takes effect at the
+    next step). The trained weights and the optimizer's slots are copied back
     whenever Keras code may read them: before validation, at the end of every
     epoch and of ``fit``, and after every batch when a callback acts per batch
-    (then the weights and the optimizer's iteration count, not its slots),
-    unless it says its batch hooks read no weights (``autodist_reads_weights =
-    False``).
+    (then the weights, not the slots), unless it says its batch hooks read no
+    weights (``autodist_reads_weights = False``).
     """
 
     def __init__(self, model: keras.Model,
-                 open_session: Callable[[LiftedStep], DistributedSession]):
+                 open_session: Callable[[LiftedStep], DistributedSession], replicas: int):
         self._model = model
-        self._open_session = open_session
         self._step: Optional[DistributedStep] = None  # the step that ran last
-        self._steps = {}  # signature of the data -> its step
+        # One step per structure of the data (see StepCache).
+        self._steps = StepCache(model.train_step, replicas,
+                                lambda lifted: DistributedStep(lifted, open_session(lifted)))
         self._stale = False  # trained values not yet copied into the model
         self._slots_stale = False  # the optimizer's slots not yet copied
         self._in_fit = False  # else a step is train_on_batch's, copied back at once
@@ -107,27 +109,25 @@ class _FitRunner:
 
     def train_function(self, iterator) -> dict:
         data = next(iterator)
-        key = signature((data,))
-        step = self._steps.get(key)
+        step = self._steps.find((data,))
         if step is None or step is not self._step:
             # Data of another structure (train_on_batch after fit, sample weights
             # in one call only) runs another traced step, from the values so far.
             self.copy_to_model()
             if step is None:
-                lifted = lift_step(self._model.train_step, (data,))
-                step = DistributedStep(lifted, self._open_session(lifted))
-                self._steps[key] = step
+                step = self._steps.add((data,))
             else:
                 step.copy_from_eager_if_changed()
             self._step = step
         else:
-            step.copy_from_eager_if_changed(forward_state_only=True)  # reset_metrics
-        step.run((data,), fetch_outputs=False)
+            # Metrics reset by Keras, a learning rate set by a callback.
+            step.copy_from_eager_if_changed(weights=False, slots=False)
+        outputs = step.run((data,))
         self._stale = self._slots_stale = True
-        step.copy_to_eager(forward_state_only=True)
+        step.copy_to_eager(weights=False, slots=False)
         if not self._in_fit:
             self.copy_to_model()
-        return self._model.get_metrics_result()
+        return _logs(outputs, self._model.get_metrics_result())
 
     def copy_to_model(self, slots: bool = True) -> None:
         """Copies the trained weights and optimizer state into the model, if stale.
@@ -139,6 +139,19 @@ class _FitRunner:
             self._step.copy_to_eager(slots=slots)
             self._stale = False
             self._slots_stale = self._slots_stale and not slots
+
+
+def _logs(outputs, metrics: dict):
+    """A step's logs: what ``train_step`` returned, each metric's value taken from the model.
+
+    A metric's result computed inside the step reads one replica's view of its
+    variables; the model's metric, copied back after the step, holds the value
+    merged over the replicas. Anything else the step returns (a loss it
+    computed) is the value AutoDist's session fetched for it.
+    """
+    if not isinstance(outputs, dict):
+        return metrics
+    return {key: metrics.get(key, value) for key, value in outputs.items()}
 
 
 class _SyncCallback(keras.callbacks.Callback):
@@ -182,10 +195,17 @@ def _acts_per_batch(callback: keras.callbacks.Callback) -> bool:
 
 
 def distribute_fit(model: keras.Model,
-                   open_session: Callable[[LiftedStep], DistributedSession]) -> None:
-    """Makes ``model.fit`` train through AutoDist (called right after ``compile``)."""
+                   open_session: Callable[[LiftedStep], DistributedSession],
+                   replicas: int) -> None:
+    """Makes ``model.fit`` train through AutoDist (called right after ``compile``).
+
+    Args:
+        model: the model just compiled.
+        open_session: opens AutoDist's session on a lifted step's graph.
+        replicas: the number of replicas on this node.
+    """
     check_distributable(model)
-    runner = _FitRunner(model, open_session)
+    runner = _FitRunner(model, open_session, replicas)
     # Instance attributes: only this model changes, and Keras looks them up first.
     model.fit = runner.fit
     model.make_train_function = runner.make_train_function

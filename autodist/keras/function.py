@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from autodist.kernels.locations import Locator
-from autodist.keras.step import STATE_OP, LiftedStep, is_static, lift_step, signature
+from autodist.keras.step import STATE_OP, LiftedStep, StepCache, is_static
 from autodist.session import DistributedSession
 
 
@@ -36,20 +36,24 @@ class DistributedStep:
         distributed = session.distributed
         locator = Locator(distributed)
         self._reads, self._writes = [], []
-        # Model state that is neither trained nor the optimizer's (metrics,
-        # batch-norm statistics, seeds): small, and reset by Keras between epochs.
-        self._forward_state = set()
+        # Small state, copied both ways at every step: what the forward pass writes
+        # (metrics, batch-norm statistics, seeds; reset by Keras between epochs) and
+        # the optimizer's own scalars (its iteration count, a learning rate or loss
+        # scale that a callback may set between two batches).
+        self._small = set()
         # The optimizer's slots: as large as the weights (Adam: twice), read by
         # Keras code between epochs rather than between batches.
         self._slots = set()
         slots = lifted.item.slot_names()
+        non_slots = {name for call in lifted.item.optimizer_calls
+                     for name in call.non_slot_names()}
         with distributed.graph.as_default(), tf.device(distributed.ctx.shared_device):
             for name, variable in lifted.variables.items():
                 location = locator.find(name)
                 if location is None:
                     continue
-                if name in distributed.shared_variables:
-                    self._forward_state.add(id(variable))
+                if name in distributed.shared_variables or name in non_slots:
+                    self._small.add(id(variable))
                 if name in slots:
                     self._slots.add(id(variable))
                 if location.value is not None:
@@ -63,54 +67,56 @@ class DistributedStep:
     def session(self) -> DistributedSession:
         return self._session
 
-    def run(self, args: tuple, fetch_outputs: bool = True):
+    def run(self, args: tuple):
         """One training step on the global batch ``args``; returns the step's outputs.
 
         Args:
             args: the step's arguments, as traced.
-            fetch_outputs: whether to compute the step's outputs (``fit`` reads
-                its logs from the metrics instead).
         """
         values = [a for a in tf.nest.flatten(args) if not is_static(a)]
         feeds = dict(zip(self._lifted.inputs, [_as_numpy(v) for v in values]))
         fetches = [self._lifted.item.optimizer_calls[0].result_op_name, STATE_OP]
-        if fetch_outputs:
-            fetches += self._fetch_outputs
-        results = iter(self._session.run(fetches, feed_dict=feeds)[2:])
-        if not fetch_outputs:
-            return None
+        results = iter(self._session.run(fetches + self._fetch_outputs, feed_dict=feeds)[2:])
         flat = [next(results) if isinstance(o, tf.Tensor) else o for o in self._lifted.outputs]
         return tf.nest.pack_sequence_as(self._lifted.structure, flat)
 
-    def copy_to_eager(self, forward_state_only: bool = False, slots: bool = True) -> None:
+    def _selected(self, variable, weights: bool, slots: bool) -> bool:
+        """Whether a copy covering ``weights`` and ``slots`` (small state always) takes it."""
+        if id(variable) in self._small:
+            return True
+        return slots if id(variable) in self._slots else weights
+
+    def copy_to_eager(self, weights: bool = True, slots: bool = True) -> None:
         """Copies AutoDist's values into the eager variables.
 
+        The small state (what the forward pass writes, the optimizer's scalars)
+        is always copied.
+
         Args:
-            forward_state_only: copy only the state the forward pass writes
-                (metrics, batch-norm statistics, seeds), not the weights and the
-                optimizer's state.
+            weights: also copy the model's weights.
             slots: also copy the optimizer's slots.
         """
-        reads = [(v, t) for v, t in self._reads
-                 if (not forward_state_only or id(v) in self._forward_state)
-                 and (slots or id(v) not in self._slots)]
+        reads = [(v, t) for v, t in self._reads if self._selected(v, weights, slots)]
         values = self._session.tf_session.run([tensor for _, tensor in reads])
         for (variable, _), value in zip(reads, values):
             variable.assign(value)
             self._synced[id(variable)] = value
 
-    def copy_from_eager_if_changed(self, forward_state_only: bool = False) -> None:
+    def copy_from_eager_if_changed(self, weights: bool = True, slots: bool = True) -> None:
         """Copies the eager variables' values to AutoDist's where Keras code changed them.
 
         Only values copied out before are compared: until the first copy,
-        AutoDist's values are those the eager variables had when traced.
+        AutoDist's values are those the eager variables had when traced. The
+        small state (metrics reset between epochs, a learning rate set by a
+        callback) is always checked.
 
         Args:
-            forward_state_only: check only the state the forward pass writes.
+            weights: also check the model's weights.
+            slots: also check the optimizer's slots.
         """
         feeds, ops = {}, []
         for variable, placeholder, restore in self._writes:
-            if forward_state_only and id(variable) not in self._forward_state:
+            if not self._selected(variable, weights, slots):
                 continue
             synced = self._synced.get(id(variable))
             if synced is None:
@@ -131,14 +137,15 @@ class DistributedFunction:
     Args:
         open_session: opens AutoDist's session on a lifted step's graph.
         fn: the training step.
+        replicas: the number of replicas on this node.
     """
 
-    def __init__(self, open_session: Callable[[LiftedStep], DistributedSession], fn: Callable):
+    def __init__(self, open_session: Callable[[LiftedStep], DistributedSession], fn: Callable,
+                 replicas: int):
         functools.update_wrapper(self, fn)
-        self._open_session = open_session
-        self._fn = fn
+        self._steps = StepCache(fn, replicas,
+                                lambda lifted: DistributedStep(lifted, open_session(lifted)))
         self._step: Optional[DistributedStep] = None  # the step that ran last
-        self._steps = {}  # signature of the arguments -> its step
 
     @property
     def step(self) -> Optional[DistributedStep]:
@@ -146,15 +153,14 @@ class DistributedFunction:
         return self._step
 
     def __call__(self, *args):
-        key = signature(args)
-        if key not in self._steps:  # traced for these arguments' structure and dtypes
-            lifted = lift_step(self._fn, args)
-            self._steps[key] = DistributedStep(lifted, self._open_session(lifted))
+        step = self._steps.find(args)
+        if step is None:  # traced for these arguments' structure and dtypes
+            step = self._steps.add(args)
         else:
-            self._steps[key].copy_from_eager_if_changed()
-        self._step = self._steps[key]
-        outputs = self._step.run(args)
-        self._step.copy_to_eager()
+            step.copy_from_eager_if_changed()
+        self._step = step
+        outputs = step.run(args)
+        step.copy_to_eager()
         return outputs
 
 

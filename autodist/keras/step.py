@@ -12,8 +12,9 @@ kernel, cluster path and checkpoint works on it unchanged.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Optional
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -52,42 +53,143 @@ def is_static(value) -> bool:
     return value is None or isinstance(value, (bool, int, float, str))
 
 
-def argument_spec(value):
-    """The ``tf.TensorSpec`` a step is traced with for one argument (leading dim free)."""
+def argument_spec(value, replicas: Optional[int] = None):
+    """The ``tf.TensorSpec`` a step is traced with for one argument.
+
+    Args:
+        value: the argument.
+        replicas: None to leave the leading dimension free; else the number of
+            local replicas, to fix it at each replica's share of the rows.
+    """
     if is_static(value):
         return value
     tensor = tf.convert_to_tensor(value)
     shape = tensor.shape.as_list()
     if shape:
-        shape[0] = None
+        shape[0] = None if replicas is None else shape[0] // replicas
     return tf.TensorSpec(shape, tensor.dtype)
 
 
-def signature(args: tuple) -> str:
+def signature(args: tuple, replicas: Optional[int] = None) -> str:
     """What a traced step is specific to: the arguments' structure, dtypes and shapes."""
-    return repr(tf.nest.map_structure(argument_spec, args))
+    return repr(tf.nest.map_structure(lambda a: argument_spec(a, replicas), args))
 
 
-def lift_step(fn: Callable, args: tuple) -> LiftedStep:
-    """Traces ``fn(*args)`` and lifts it.
+class StepCache:
+    """The steps lifted from one function, one per structure of its arguments.
+
+    A step is traced with the batch dimension left free, so that one trace
+    serves every batch size. A function that cannot be traced so (it computes
+    with ``x.shape[0]``, which is then None) is traced again with each
+    replica's rows as a static batch dimension, as ``tf.function`` would see a
+    batch of that many rows; its steps are then specific to the batch size.
 
     Args:
-        fn: the step: computes gradients and applies them with one Keras optimizer.
+        fn: the training step.
+        replicas: the number of replicas on this node, which split each batch.
+        open_step: makes the runnable step of a lifted one.
+    """
+
+    def __init__(self, fn: Callable, replicas: int, open_step: Callable[[LiftedStep], object]):
+        self._fn = fn
+        self._replicas = replicas
+        self._open_step = open_step
+        self._steps = {}  # signature -> its step
+        self._static = set()  # free signatures whose function needs a static batch
+
+    def _key(self, args: tuple) -> str:
+        key = signature(args)
+        return signature(args, self._replicas) if key in self._static else key
+
+    def find(self, args: tuple):
+        """The step already lifted for ``args``, or None."""
+        return self._steps.get(self._key(args))
+
+    def add(self, args: tuple):
+        """Lifts and opens the step for ``args``; returns it."""
+        key = signature(args)
+        try:
+            traced = trace_step(self._fn, args)
+        except Exception as err:  # pylint: disable=broad-except
+            traced = self._trace_with_static_batch(args, err)
+            self._static.add(key)
+            key = signature(args, self._replicas)
+        step = self._open_step(lift_step(traced))
+        self._steps[key] = step
+        return step
+
+    def _trace_with_static_batch(self, args: tuple, free_error: Exception) -> "TracedStep":
+        rows = {tf.convert_to_tensor(a).shape[0] for a in tf.nest.flatten(args)
+                if not is_static(a) and tf.convert_to_tensor(a).shape.rank}
+        if not rows:
+            raise free_error
+        uneven = sorted(r for r in rows if r % self._replicas)
+        if uneven:
+            label = getattr(self._fn, "__name__", "the step")
+            raise ValueError(
+                f"AutoDist could not trace {label} with the batch dimension left free "
+                f"({type(free_error).__name__}: {_last_line(free_error)}), so it traces it "
+                f"with each replica's rows; but a batch of {uneven[0]} rows does not split "
+                f"evenly over {self._replicas} replicas. Feed batches of a multiple of "
+                f"{self._replicas} rows, or compute with tf.shape(x)[0] instead of "
+                "x.shape[0].") from free_error
+        return trace_step(self._fn, args, self._replicas)
+
+
+def _last_line(error: Exception) -> str:
+    """An error's last line (a traced function's error starts with its stack), cut short."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return (lines[-1] if lines else "")[:200]
+
+
+@dataclasses.dataclass
+class TracedStep:
+    """A step traced by ``tf.function``, before lifting.
+
+    Attributes:
+        label: the function's name, for messages.
+        concrete: the concrete function.
+        specs: the argument specs it was traced for.
+        calls: the Keras optimizer ``apply`` calls made while tracing it.
+        function: the step as given.
+    """
+
+    label: str
+    concrete: object
+    specs: object
+    calls: list
+    function: Callable
+
+
+def trace_step(fn: Callable, args: tuple, replicas: Optional[int] = None) -> TracedStep:
+    """Traces ``fn(*args)``, recording the optimizer updates it makes.
+
+    Args:
+        fn: the step.
         args: example arguments (their structure, dtypes and shapes beyond the
             batch dimension are what the step is traced for).
+        replicas: None to trace with the batch dimension free; else the number
+            of local replicas, to trace with each one's share of ``args``'s rows.
+    """
+    python_function = getattr(fn, "python_function", fn)  # a tf.function's own body
+    specs = tf.nest.map_structure(lambda a: argument_spec(a, replicas), args)
+    calls = []
+    with _keras_compat.capture_optimizer_apply(calls.append):
+        concrete = tf.function(python_function).get_concrete_function(*specs)
+    return TracedStep(getattr(python_function, "__name__", "the step"), concrete, specs,
+                      [c for c in calls if c.graph is concrete.graph], fn)
+
+
+def lift_step(traced_step: TracedStep) -> LiftedStep:
+    """Lifts a traced step into a ``tf.compat.v1`` graph.
 
     Raises:
         ValueError: when the step applies no optimizer.
         NotImplementedError: when it applies several, or captures what cannot be lifted.
     """
-    python_function = getattr(fn, "python_function", fn)  # a tf.function's own body
-    specs = tf.nest.map_structure(argument_spec, args)
-    calls = []
-    with _keras_compat.capture_optimizer_apply(calls.append):
-        concrete = tf.function(python_function).get_concrete_function(*specs)
+    label, concrete, specs, calls = (traced_step.label, traced_step.concrete,
+                                     traced_step.specs, traced_step.calls)
     traced = concrete.graph
-    calls = [c for c in calls if c.graph is traced]
-    label = getattr(python_function, "__name__", "the step")
     if not calls:
         raise ValueError(
             f"AutoDist found no optimizer update in {label}: apply the gradients with a "
@@ -101,6 +203,7 @@ def lift_step(fn: Callable, args: tuple) -> LiftedStep:
     optimizer_state = {id(as_tf_variable(v)) for v in call.optimizer.variables}
     by_handle = {id(v.handle): v for v in traced.variables}
 
+    paths = _metric_paths(traced_step.function)
     # Read eagerly, before entering the new graph.
     values = {id(v): v.numpy() for v in traced.variables}
     constants = {id(e): e.numpy() for e, _ in traced.captures
@@ -117,7 +220,10 @@ def lift_step(fn: Callable, args: tuple) -> LiftedStep:
                         f"({internal.name}); only variables and constants may be captured.")
                 input_map[internal.name] = tf.constant(constants[id(external)])
                 continue
-            name = variable.name.split(":")[0]  # Keras 3 names it by its path
+            # Keras 3 names a variable by its path, but TensorFlow's eager names may
+            # be uniquified per scope ("sum_loss_1/count" beside "sum_loss/total");
+            # a metric's variables keep their path, which groups them (replicator).
+            name = paths.get(id(variable), variable.name.split(":")[0])
             value = values[id(variable)]
             if id(variable) in optimizer_state:
                 placeholder = tf.compat.v1.placeholder(tf.resource, [], name=name)
@@ -130,7 +236,12 @@ def lift_step(fn: Callable, args: tuple) -> LiftedStep:
                                            name=name, use_resource=True, dtype=variable.dtype)
             variables[lifted.op.name] = variable
             input_map[internal.name] = lifted.handle
-        tf.graph_util.import_graph_def(traced.as_graph_def(), input_map=input_map, name=_SCOPE)
+        num_inputs = len([s for s in tf.nest.flatten(specs) if isinstance(s, tf.TensorSpec)])
+        graph_def = _batch_inputs(traced.as_graph_def(), traced.inputs[:num_inputs])
+        outputs = [t for t in tf.nest.flatten(concrete.structured_outputs)
+                   if isinstance(t, tf.Tensor)]
+        tf.graph_util.import_graph_def(_outputs_before_update(graph_def, outputs, call.created),
+                                       input_map=input_map, name=_SCOPE)
 
         def lifted_tensor(tensor):
             return graph.get_tensor_by_name(f"{_SCOPE}/{tensor.name}")
@@ -161,12 +272,78 @@ def lift_step(fn: Callable, args: tuple) -> LiftedStep:
                                         TRAIN_OP, type(call.optimizer).__name__)
     # Every node's model reads its metrics and batch-norm statistics back.
     item = GraphItem(graph, [optimizer_call], state_per_node=True)
-    num_inputs = len([s for s in tf.nest.flatten(specs) if isinstance(s, tf.TensorSpec)])
     inputs = [lifted_tensor(t) for t in traced.inputs[:num_inputs]]
     structure = concrete.structured_outputs
     outputs = [lifted_tensor(t) if isinstance(t, tf.Tensor) else t
                for t in tf.nest.flatten(structure)]
     return LiftedStep(item, inputs, outputs, structure, variables)
+
+
+def _metric_paths(fn: Callable) -> dict:
+    """id of a metric's ``tf.Variable`` -> its Keras path, for the metrics ``fn`` can reach.
+
+    Looked up where steps keep their metrics: the model of a ``train_step``
+    (``fn.__self__``), and the models, layers and metrics the function's
+    closure or the globals it names hold (a custom loop's ``train_loss``).
+    """
+    python_function = getattr(fn, "python_function", fn)
+    function = getattr(python_function, "__func__", python_function)
+    owners = [getattr(python_function, "__self__", None)]
+    owners += [cell.cell_contents for cell in getattr(function, "__closure__", None) or ()
+               if _has_contents(cell)]
+    code, scope = getattr(function, "__code__", None), getattr(function, "__globals__", {})
+    owners += [scope[name] for name in (code.co_names if code else ()) if name in scope]
+    paths = {}
+    for owner in owners:
+        if isinstance(owner, keras.Model):
+            metrics = owner.metrics_variables
+        elif isinstance(owner, keras.metrics.Metric):
+            metrics = owner.variables
+        else:
+            continue
+        for variable in metrics:
+            paths[id(as_tf_variable(variable))] = variable.path
+    return paths
+
+
+def _has_contents(cell) -> bool:
+    try:
+        cell.cell_contents  # pylint: disable=pointless-statement
+    except ValueError:  # a free variable not yet bound
+        return False
+    return True
+
+
+def _batch_inputs(graph_def, inputs: list):
+    """``graph_def`` with its input placeholders taking batches of any size.
+
+    A step traced with each replica's rows as a static batch dimension still
+    takes the global batch, which the replicator splits (see ``StepCache``).
+    """
+    names = {t.op.name for t in inputs if t.shape.rank}
+    for node in graph_def.node:
+        if node.name in names:
+            node.attr["shape"].shape.dim[0].size = -1
+    return graph_def
+
+
+def _outputs_before_update(graph_def, outputs: list, update_ops: frozenset):
+    """``graph_def`` with the step's outputs no longer waiting for the optimizer's update.
+
+    ``tf.function`` makes its outputs wait for every stateful op; AutoDist runs
+    the update itself, and in the runs of an accumulation cycle not at all, so
+    an output fetched must not pull the update in.
+    """
+    names = {t.op.name for t in outputs}
+    # The outputs wait for the stateful ops through a NoOp grouping them.
+    names |= {i[1:] for node in graph_def.node if node.name in names
+              for i in node.input if i.startswith("^")}
+    for node in graph_def.node:
+        if node.name in names:
+            kept = [i for i in node.input if not (i.startswith("^") and i[1:] in update_ops)]
+            del node.input[:]
+            node.input.extend(kept)
+    return graph_def
 
 
 def _graph_variable(graph: tf.Graph, name: str) -> tf.Variable:

@@ -377,10 +377,12 @@ def _component(gradient, key: str, dtype: tf.DType, variable: Optional[tf.Variab
     """One tensor of a synchronized gradient, in the dtype the traced update reads."""
     if key == "dense":
         tensor = tf.convert_to_tensor(gradient)
-    elif key == "dense_shape" and gradient.dense_shape is None:
-        tensor = tf.shape(variable, out_type=dtype)
     else:
-        tensor = getattr(gradient, key)
+        gradient = partitioner.as_indexed_slices(gradient)  # one synchronized dense
+        if key == "dense_shape" and gradient.dense_shape is None:
+            tensor = tf.shape(variable, out_type=dtype)
+        else:
+            tensor = getattr(gradient, key)
     # The synchronizers carry indices as int64; a traced update may read int32.
     return tensor if tensor.dtype == dtype else tf.cast(tensor, dtype)
 

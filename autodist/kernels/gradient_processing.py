@@ -110,6 +110,7 @@ def _import(item: GraphItem, processing: GradientProcessing, whole: dict, call: 
     for name, ref in processing.raw.items():
         gradient = whole[name]
         if ref.sparse:
+            gradient = partitioner.as_indexed_slices(gradient)
             inputs[ref.values] = gradient.values
             inputs[ref.indices] = as_original(gradient.indices, ref.indices)
             if ref.dense_shape:

@@ -43,6 +43,25 @@ def stitch_gradient(parts: list, plan: PartitionPlan):
         shape)
 
 
+def as_indexed_slices(grad) -> tf.IndexedSlices:
+    """``grad`` as an IndexedSlices: itself, or a dense gradient as one slice per row.
+
+    A gradient the graph computes sparse but the replicas synchronize dense
+    (``GradientRef.same_rows``) reaches code reading its rows this way; a row the
+    batch did not touch carries zeros.
+    """
+    if isinstance(grad, tf.IndexedSlices):
+        return grad
+    dense = tf.convert_to_tensor(grad)
+    shape = tf.shape(dense, out_type=tf.int64)
+    return tf.IndexedSlices(dense, tf.range(shape[0]), shape)
+
+
+def densify(grad: tf.IndexedSlices, num_rows: int) -> tf.Tensor:
+    """The dense tensor of an IndexedSlices with ``num_rows`` rows, duplicate indices summed."""
+    return tf.math.unsorted_segment_sum(grad.values, grad.indices, num_rows)
+
+
 def split_gradient(grad, plan: PartitionPlan) -> list:
     """Cuts a dense or IndexedSlices gradient into the parts of ``plan``.
 

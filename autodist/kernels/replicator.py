@@ -14,7 +14,7 @@ from typing import Optional
 import tensorflow as tf
 
 from autodist import _tf_compat
-from autodist.graph_item import GraphItem, op_name, tensor_name
+from autodist.graph_item import KEYED_RANDOM_OPS, GraphItem, op_name, tensor_name
 from autodist.kernel_context import KernelContext, replica_scope
 
 _PLACEMENT_ATTRS = ("_class",)
@@ -146,6 +146,8 @@ def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
             source = merge.delta or f"{name}:0"
             scoped = f"{scope}/{source}" if op_name(source) in copied else source
             assigned[name].append(graph.get_tensor_by_name(scoped))
+    per_step = _per_step_scopes(item, merged, assigned)
+    shares = None  # each replica's share of the rows, built when a scope needs it
     writes = []
     for name, merge in merged.items():
         values, handle = assigned[name], graph.get_tensor_by_name(merge.resource)
@@ -153,12 +155,66 @@ def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
             if merge.delta is None:
                 value = (tf.add_n(values) / float(len(values)) if values[0].dtype.is_floating
                          else values[0])
-            else:  # a delta computed from no replica's rows is applied once
-                total = values[0] if len({v.name for v in values}) == 1 else tf.add_n(values)
+            else:
+                if len({v.name for v in values}) == 1:  # computed from no replica's rows
+                    total = values[0]
+                elif _scope(merge) in per_step:
+                    if shares is None:
+                        shares = _row_shares(item, ctx)
+                    total = tf.add_n([tf.cast(share, v.dtype) * v
+                                      for share, v in zip(shares, values)])
+                else:
+                    total = tf.add_n(values)
                 value = tf.raw_ops.ReadVariableOp(resource=handle, dtype=total.dtype) + total
             writes.append(tf.raw_ops.AssignVariableOp(resource=handle, value=value,
                                                       name=f"{name}/merged"))
     return writes
+
+
+def _scope(merge: "_Merge") -> str:
+    """The name scope of the variable a merge writes: the object owning it (a metric)."""
+    return _owner(op_name(merge.resource))
+
+
+def _owner(variable: str) -> str:
+    """A variable name's scope, or "" (no owner to group by) for a top-level name."""
+    return variable.rpartition("/")[0]
+
+
+def _per_step_scopes(item: GraphItem, merged: dict, assigned: dict) -> set:
+    """Scopes of variables that count steps, not rows: a metric fed one value per step.
+
+    A ``keras.metrics.Mean`` fed a scalar (a ``train_step``'s loss tracker, the
+    loss of one output) adds the value to its total and 1 to its count: the
+    count's increment is computed from no replica's rows (it runs once, in the
+    shared graph). Every replica's value then stands for the whole batch, so
+    the totals of that scope add the replicas' values weighted by their shares
+    of the rows (their mean, with an even split), not their sum; a metric
+    counting rows adds them up.
+    """
+    scopes = set()
+    for name, merge in merged.items():
+        values = assigned[name]
+        if merge.delta is not None and len(values) > 1 and len({v.name for v in values}) == 1:
+            scopes.add(_scope(merge))
+    nodes = {node.name: node for node in item.graph_def.node}
+    for node in item.graph_def.node:
+        if node.op != "AssignVariableOp" or node.name not in item.shared:
+            continue
+        variable = nodes.get(op_name(node.input[0]))
+        if (variable is not None and variable.op in _VARIABLE_OPS
+                and tf.as_dtype(node.attr["dtype"].type).is_floating
+                and _increment(nodes, node.input[1], variable.name) is not None):
+            scopes.add(_owner(variable.name))
+    return scopes - {""}
+
+
+def _row_shares(item: GraphItem, ctx: KernelContext) -> list:
+    """Each local replica's share of the step's rows (1/n each without a fed batch)."""
+    weights = row_weights(item, ctx)
+    if not weights:
+        return [1.0 / ctx.num_replicas] * ctx.num_replicas
+    return [w / float(ctx.num_replicas) for w in weights]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,10 +225,6 @@ class _Merge:
     delta: Optional[str]   # for a float increment, the tensor it adds
 
 
-# Stateless random ops whose inputs are (shape, key, counter, alg).
-_KEYED_RANDOM_OPS = ("StatelessRandomUniformV2", "StatelessRandomNormalV2",
-                     "StatelessTruncatedNormalV2", "StatelessRandomUniformIntV2",
-                     "StatelessRandomUniformFullIntV2")
 _SALT = "autodist_replica_salt"
 _SALT_STRIDE = 0x9E3779B97F4A7C15  # spreads the replicas' keys apart
 
@@ -188,7 +240,7 @@ def _salt_random_keys(graph_def) -> str:
         the salt placeholder's tensor name to map per replica, or "" when the
         graph has no such op.
     """
-    keyed = [node for node in graph_def.node if node.op in _KEYED_RANDOM_OPS]
+    keyed = [node for node in graph_def.node if node.op in KEYED_RANDOM_OPS]
     if not keyed:
         return ""
     salt = graph_def.node.add()

@@ -295,8 +295,12 @@ def _replica_gradient(result: DistributedGraph, ref, replica: int, shape: tuple)
     if not ref.sparse:
         # A traced step's gradient may lack its static shape; the kernels need it.
         return values if values.shape.is_fully_defined() else tf.reshape(values, shape)
-    shape = result.replica_element(ref.dense_shape, replica) if ref.dense_shape else None
-    return tf.IndexedSlices(values, result.replica_element(ref.indices, replica), shape)
+    indices = result.replica_element(ref.indices, replica)
+    if ref.same_rows:  # summed row by row across replicas, as one batch's gradient is
+        with tf.device(values.device):
+            return partitioner.densify(tf.IndexedSlices(values, indices), shape[0])
+    dense_shape = result.replica_element(ref.dense_shape, replica) if ref.dense_shape else None
+    return tf.IndexedSlices(values, indices, dense_shape)
 
 
 def _register_shared_variables(item: GraphItem) -> dict:

@@ -1,0 +1,309 @@
+"""Patterns of real Keras scripts that once trained silently differently under AutoDist.
+
+Each case runs the pattern on a single device and through AutoDist on the same
+global batches and compares weights, the optimizer's variables (its learning
+rate included) and every logged value; each also checks that the run was
+distributed the way the fix says (which gradients travel dense, what the
+step's placeholders take).
+"""
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from autodist import AutoDist
+from autodist.graph_item import GraphItem
+from autodist.strategy import PS, AllReduce, Parallax, PartitionedPS
+from test_keras import BUILDERS, Trained, assert_same, snapshot
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+ROWS, BATCH = 32, 8
+
+
+def data(seed: int = 0, features: int = 4):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(ROWS, features)).astype(np.float32)
+    return x, (x.sum(axis=1, keepdims=True) + 0.1 * rng.normal(size=(ROWS, 1))).astype(np.float32)
+
+
+def fit_both(spec: str, builder, build, x, y, callbacks=lambda: [], epochs: int = 3):
+    """(single device, AutoDist) runs of ``build()``'s compiled model, as ``Trained``."""
+    runs = []
+    for distributed in (False, True):
+        if distributed:
+            ad = AutoDist(resource_spec_file=spec, strategy_builder=builder)
+            with ad.scope():
+                model = build()
+        else:
+            model = build()
+        history = model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
+                            callbacks=callbacks())
+        runs.append((snapshot(model, model.optimizer, history.history), model))
+    return runs
+
+
+def mlp(optimizer) -> keras.Model:
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu", name="hidden"),
+                              keras.layers.Dense(1, name="out")], name="mlp")
+    model.compile(optimizer=optimizer, loss="mse", metrics=["mae"])
+    return model
+
+
+# ----------------------------------------------------------------------------- 1. learning rates
+
+LR_CALLBACKS = {
+    # Training stops moving after the first epoch.
+    "LearningRateScheduler": lambda: [keras.callbacks.LearningRateScheduler(
+        lambda epoch, rate: 0.0 if epoch > 0 else rate)],
+    # Fires at the end of every epoch: the loss never improves by 100.
+    "ReduceLROnPlateau": lambda: [keras.callbacks.ReduceLROnPlateau(
+        monitor="loss", factor=0.2, patience=0, min_delta=100.0)],
+}
+
+
+@pytest.mark.parametrize("callback", LR_CALLBACKS)
+@pytest.mark.parametrize("builder", ["AllReduce", "PartitionedPS"])
+def test_a_learning_rate_set_by_a_callback_takes_effect_at_the_next_step(spec_path, callback,
+                                                                          builder):
+    x, y = data()
+    (want, single), (got, model) = fit_both(
+        spec_path, BUILDERS[builder](), lambda: mlp(keras.optimizers.SGD(0.05, momentum=0.5)),
+        x, y, LR_CALLBACKS[callback])
+    assert_same(got, want, f"{callback} under {builder}")
+    assert float(model.optimizer.learning_rate) == pytest.approx(
+        float(single.optimizer.learning_rate))
+    assert float(single.optimizer.learning_rate) < 0.05 * 0.2 + 1e-9  # the callback acted
+
+
+def test_a_learning_rate_set_between_batches_is_used_by_the_next_batch(spec_path):
+    class HalveEachBatch(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            self.model.optimizer.learning_rate.assign(self.model.optimizer.learning_rate * 0.5)
+
+    x, y = data()
+    (want, _), (got, _) = fit_both(spec_path, AllReduce(),
+                                   lambda: mlp(keras.optimizers.Adam(0.05)), x, y,
+                                   lambda: [HalveEachBatch()], epochs=2)
+    assert_same(got, want, "learning rate halved before every batch")
+
+
+# ----------------------------------------------------------------------------- 2. loss trackers
+
+class TrackedModel(keras.Model):
+    """A ``train_step`` written as the Keras guide shows, with its own trackers."""
+
+    def __init__(self):
+        super().__init__(name="tracked")
+        self.hidden = keras.layers.Dense(8, activation="relu", name="hidden")
+        self.out = keras.layers.Dense(1, name="out")
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+        self.mae_metric = keras.metrics.MeanAbsoluteError(name="mae")
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            prediction = self(x, training=True)
+            loss = keras.ops.mean(keras.ops.square(prediction - y))
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
+        self.loss_tracker.update_state(loss)
+        self.mae_metric.update_state(y, prediction)
+        return {"loss": self.loss_tracker.result(), "mae": self.mae_metric.result()}
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker, self.mae_metric]
+
+
+def tracked_model() -> keras.Model:
+    keras.utils.set_random_seed(2)
+    model = TrackedModel()
+    model.compile(optimizer=keras.optimizers.Adam(0.01))
+    return model
+
+
+def two_headed_model() -> keras.Model:
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((4,), name="features")
+    hidden = keras.layers.Dense(8, activation="relu", name="hidden")(inputs)
+    model = keras.Model(inputs, {"sum": keras.layers.Dense(1, name="sum")(hidden),
+                                 "sign": keras.layers.Dense(1, name="sign")(hidden)},
+                        name="two_heads")
+    model.compile(optimizer=keras.optimizers.Adam(0.01),
+                  loss={"sum": "mse", "sign": keras.losses.BinaryCrossentropy(from_logits=True)},
+                  loss_weights={"sum": 1.0, "sign": 0.5})
+    return model
+
+
+@pytest.mark.parametrize("builder", ["AllReduce", "Parallax"])
+def test_a_mean_tracker_fed_one_loss_per_step_logs_the_single_device_loss(spec_path, builder):
+    x, y = data(4)
+    (want, _), (got, _) = fit_both(spec_path, BUILDERS[builder](), tracked_model, x, y)
+    assert_same(got, want, f"train_step with a loss tracker under {builder}")
+
+
+def test_each_output_s_loss_of_a_multi_output_model_is_logged_as_on_one_device(spec_path):
+    x, y = data(5)
+    targets = {"sum": y, "sign": (y > 0).astype(np.float32)}
+    (want, _), (got, _) = fit_both(spec_path, AllReduce(), two_headed_model, x, targets)
+    assert {"sum_loss", "sign_loss"} <= set(want.history)
+    assert_same(got, want, "loss dict with loss_weights")
+
+
+# ----------------------------------------------------------------------------- 3. positions
+
+MAXLEN, VOCABULARY = 6, 20
+
+
+class TokenAndPositionEmbedding(keras.layers.Layer):
+    """Token embedding plus a learned position embedding, as transformer examples write it."""
+
+    def __init__(self, dynamic_length: bool, **kwargs):
+        super().__init__(**kwargs)
+        self.dynamic_length = dynamic_length
+        self.tokens = keras.layers.Embedding(VOCABULARY, 8, name="tokens")
+        self.positions = keras.layers.Embedding(MAXLEN, 8, name="positions")
+
+    def call(self, ids):
+        length = tf.shape(ids)[-1] if self.dynamic_length else MAXLEN
+        return self.tokens(ids) + self.positions(tf.range(0, length))
+
+
+def positional_model(dynamic_length: bool, optimizer: str) -> keras.Model:
+    keras.utils.set_random_seed(6)
+    ids = keras.Input((MAXLEN,), dtype="int32")
+    hidden = TokenAndPositionEmbedding(dynamic_length, name="embed")(ids)
+    hidden = keras.layers.GlobalAveragePooling1D()(hidden)
+    model = keras.Model(ids, keras.layers.Dense(2, name="out")(hidden), name="positional")
+    model.compile(optimizer=keras.optimizers.get({"class_name": optimizer,
+                                                  "config": {"learning_rate": 0.01}}),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("builder", ["AllReduce", "PS", "PartitionedPS", "Parallax"])
+@pytest.mark.parametrize("dynamic_length", [False, True], ids=["maxlen", "tf.shape"])
+def test_a_position_table_trains_as_on_one_device(spec_path, builder, dynamic_length):
+    rng = np.random.default_rng(7)
+    ids = rng.integers(0, VOCABULARY, (ROWS, MAXLEN)).astype(np.int32)
+    labels = rng.integers(0, 2, ROWS)
+    (want, _), (got, model) = fit_both(
+        spec_path, BUILDERS[builder](), lambda: positional_model(dynamic_length, "Adam"),
+        ids, labels, epochs=2)
+    assert_same(got, want, f"positions under {builder}")
+    # Every replica looks up rows 0..5 of the position table: their gradients are
+    # summed row by row (dense on the wire); the tokens' are gathered side by side.
+    infos = {i.shape: i for i in model._autodist_fit.step.session.distributed.item
+             .trainable_variables}
+    assert not infos[(MAXLEN, 8)].sparse_grad  # the position table
+    assert infos[(VOCABULARY, 8)].sparse_grad  # the token table
+
+
+@pytest.mark.parametrize("optimizer", ["RMSprop", "Adagrad", "SGD"])
+def test_a_position_table_under_other_optimizers(spec_path, optimizer):
+    rng = np.random.default_rng(8)
+    ids = rng.integers(0, VOCABULARY, (ROWS, MAXLEN)).astype(np.int32)
+    labels = rng.integers(0, 2, ROWS)
+    (want, _), (got, _) = fit_both(spec_path, PartitionedPS(),
+                                   lambda: positional_model(False, optimizer), ids, labels,
+                                   epochs=2)
+    assert_same(got, want, f"positions under {optimizer}")
+
+
+def test_indices_that_depend_on_the_batch_are_not_the_same_rows():
+    """Only a shape's non-batch elements are the same on every replica."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.int32, [None, 5])
+        table = tf.compat.v1.get_variable("table", [10, 3], use_resource=True)
+        by_length = tf.gather(table, tf.range(tf.shape(x)[-1]))
+        by_batch = tf.gather(tf.compat.v1.get_variable("rows", [10, 3], use_resource=True),
+                             tf.range(tf.shape(x)[0]))
+        by_ids = tf.gather(tf.compat.v1.get_variable("ids", [10, 3], use_resource=True), x)
+        loss = (tf.reduce_sum(by_length) + tf.reduce_sum(by_batch)
+                + tf.reduce_sum(by_ids))
+        calls = []
+        from autodist import _tf_compat
+        with _tf_compat.capture_apply_gradients(calls.append):
+            tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    item = GraphItem(graph, calls)
+    assert {name: ref.same_rows for name, ref in item.gradients.items()} == {
+        "table": True, "rows": False, "ids": False}
+
+
+# ----------------------------------------------------------------------------- 5. x.shape[0]
+
+def summed_loss_step(model, optimizer):
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            squared = tf.reduce_sum(tf.square(model(x, training=True) - y))
+            loss = squared / x.shape[0]  # the batch's static size
+        gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        return loss
+    return train_step
+
+
+def test_a_function_reading_the_static_batch_size_matches_tf_function(spec_path):
+    x, y = data(9)
+    batches = [(x[i:i + BATCH], y[i:i + BATCH]) for i in range(0, ROWS, BATCH)]
+
+    def model_and_optimizer():
+        keras.utils.set_random_seed(9)
+        return (keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, name="out")],
+                                 name="linear"),
+                keras.optimizers.Adam(0.01))
+
+    model, optimizer = model_and_optimizer()
+    step = tf.function(summed_loss_step(model, optimizer))
+    want = snapshot(model, optimizer, losses=[step(a, b) for a, b in batches])
+    ad = AutoDist(resource_spec_file=spec_path, strategy_builder=AllReduce())
+    with ad.scope():
+        model, optimizer = model_and_optimizer()
+        step = ad.function(summed_loss_step(model, optimizer))
+    got = snapshot(model, optimizer, losses=[step(a, b) for a, b in batches])
+    assert_same(got, want, "a loss divided by x.shape[0]")
+    # Traced with each replica's 4 rows, x.shape[0] is 4 in each replica's graph,
+    # while the step's placeholders still take the global batch, which is split.
+    item = step.step.session.distributed.item
+    shapes = sorted(item.graph.get_tensor_by_name(f"{name}:0").shape.as_list()
+                    for name in item.batched_inputs)
+    assert shapes == [[None, 1], [None, 4]]
+    divisors = [op for op in item.graph.get_operations() if op.type == "RealDiv"
+                and op.inputs[1].op.type == "Const"]
+    assert divisors
+    assert {float(tf.make_ndarray(op.inputs[1].op.get_attr("value"))) for op in divisors} == {4.0}
+
+    with pytest.raises(ValueError, match=(
+            r"could not trace train_step with the batch dimension left free .*None values "
+            r"not supported.*a batch of 7 rows does not split evenly over 2 replicas")):
+        step(x[:7], y[:7])
+
+
+def test_fit_of_a_train_step_reading_the_static_batch_size(spec_path):
+    class StaticBatchModel(keras.Model):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.square(self(x, training=True) - y)) / x.shape[0]
+            gradients = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
+            return {"loss": loss}
+
+    def build():
+        keras.utils.set_random_seed(10)
+        inputs = keras.Input((4,))
+        model = StaticBatchModel(inputs, keras.layers.Dense(1, name="out")(inputs))
+        model.compile(optimizer=keras.optimizers.SGD(0.05))
+        return model
+
+    x, y = data(10)
+    (want, _), (got, _) = fit_both(spec_path, PartitionedPS(), build, x, y, epochs=2)
+    assert_same(got, want, "train_step dividing by x.shape[0]")
