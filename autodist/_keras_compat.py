@@ -96,5 +96,5 @@ def capture_compile(record: Callable[[keras.Model], None]) -> Iterator[None]:
 
 
 def all_layers(model: keras.Model) -> list:
-    """Every layer of ``model``, nested ones included."""
+    """Every layer of ``model``, nested ones and ``model`` itself included."""
     return list(model._flatten_layers())  # pylint: disable=protected-access

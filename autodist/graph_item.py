@@ -159,6 +159,7 @@ class GraphItem:
             non-trainable variables (see ``KernelContext.state_per_node``).
 
     Attributes:
+        table_initializers: names of the ops initializing the graph's lookup tables.
         accumulation_steps: runs of the train op whose gradients one update
             applies (``AutoDist(accumulation_steps=...)``); 1 by default.
         gradients: variable name -> its gradient as the replicas compute it
@@ -186,6 +187,9 @@ class GraphItem:
         self.state_per_node = state_per_node
         self.accumulation_steps = 1
         self.graph_def = graph.as_graph_def()
+        # Lookup tables are read-only state: every node initializes its own copy.
+        self.table_initializers = tuple(
+            op.name for op in graph.get_collection(tf.compat.v1.GraphKeys.TABLE_INITIALIZERS))
         with graph.as_default():
             self._trainables = [v for v in tf.compat.v1.trainable_variables()
                                 if v.op.name not in self.update_op_names]

@@ -307,3 +307,63 @@ def test_fit_of_a_train_step_reading_the_static_batch_size(spec_path):
     x, y = data(10)
     (want, _), (got, _) = fit_both(spec_path, PartitionedPS(), build, x, y, epochs=2)
     assert_same(got, want, "train_step dividing by x.shape[0]")
+
+
+# ----------------------------------------------------------------------------- 6. lookup tables
+
+def lookup_model() -> keras.Model:
+    keras.utils.set_random_seed(11)
+    city = keras.Input((1,), dtype="string", name="city")
+    code = keras.Input((1,), dtype="int64", name="code")
+    ids = keras.layers.StringLookup(vocabulary=["oslo", "rome", "lima"], name="city_ids")(city)
+    codes = keras.layers.IntegerLookup(vocabulary=[10, 20, 30], name="code_ids")(code)
+    hidden = keras.layers.Concatenate(name="joined")([
+        keras.layers.Flatten()(keras.layers.Embedding(4, 3, name="city_table")(ids)),
+        keras.layers.Flatten()(keras.layers.Embedding(4, 2, name="code_table")(codes))])
+    model = keras.Model([city, code], keras.layers.Dense(1, name="out")(hidden), name="lookups")
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("builder", ["AllReduce", "PartitionedPS", "Parallax"])
+def test_lookup_layers_inside_the_model_train_as_on_one_device(spec_path, builder):
+    rng = np.random.default_rng(11)
+    cities = rng.choice(["oslo", "rome", "lima", "kyiv"], (ROWS, 1))  # kyiv: out of vocabulary
+    codes = rng.choice([10, 20, 30, 40], (ROWS, 1)).astype(np.int64)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+
+    def dataset():
+        return tf.data.Dataset.from_tensor_slices(((cities, codes), y)).batch(BATCH)
+
+    runs = []
+    for distributed in (False, True):
+        if distributed:
+            ad = AutoDist(resource_spec_file=spec_path, strategy_builder=BUILDERS[builder]())
+            with ad.scope():
+                model = lookup_model()
+        else:
+            model = lookup_model()
+        history = model.fit(dataset(), epochs=2, verbose=0)
+        runs.append(snapshot(model, model.optimizer, history.history))
+    assert_same(runs[1], runs[0], f"lookup layers under {builder}")
+    # Each table is held once on this node, and every replica looks its rows up in it.
+    distributed_graph = model._autodist_fit.step.session.distributed
+    tables = [op for op in distributed_graph.graph.get_operations() if op.type == "HashTableV2"]
+    assert len(tables) == 2
+    finds = [op for op in distributed_graph.graph.get_operations()
+             if op.type == "LookupTableFindV2"]
+    assert sorted(op.name.split("/")[0] for op in finds) == [
+        "AutoDist-Replica-0", "AutoDist-Replica-0", "AutoDist-Replica-1", "AutoDist-Replica-1"]
+    assert {op.inputs[0].op.name for op in finds} == {op.name for op in tables}
+
+
+def test_a_state_scalar_the_update_writes_once_for_every_variable(spec_path):
+    """Nadam's momentum product: written once per update, read by every variable's update."""
+    def build():
+        keras.backend.clear_session()  # the product's automatic name, "variable", alike
+        return mlp(keras.optimizers.Nadam(0.01))
+
+    x, y = data(12)
+    (want, _), (got, _) = fit_both(spec_path, PartitionedPS(), build, x, y, epochs=2)
+    assert_same(got, want, "Nadam")
+    assert 0 < float(want.optimizer_variables[want.optimizer_names.index("variable")]) < 1

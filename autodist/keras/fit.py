@@ -151,7 +151,18 @@ def _logs(outputs, metrics: dict):
     """
     if not isinstance(outputs, dict):
         return metrics
-    return {key: metrics.get(key, value) for key, value in outputs.items()}
+    return {key: metrics.get(key, value) for key, value in _flat_logs(outputs).items()}
+
+
+def _flat_logs(outputs: dict) -> dict:
+    """Nested dicts of logs merged into one, as Keras shows them (``compile_metrics``)."""
+    flat = {}
+    for key, value in outputs.items():
+        if isinstance(value, dict):
+            flat.update(_flat_logs(value))
+        else:
+            flat[key] = value
+    return flat
 
 
 class _SyncCallback(keras.callbacks.Callback):

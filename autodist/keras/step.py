@@ -14,12 +14,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional
 
-import keras
 import numpy as np
 import tensorflow as tf
 
 from autodist import _keras_compat
 from autodist.graph_item import GraphItem
+from autodist.keras import captures
 from autodist.keras.update import RESOURCE_WRITES, KerasOptimizerCall
 from autodist.session import as_tf_variable
 
@@ -150,7 +150,9 @@ class TracedStep:
         label: the function's name, for messages.
         concrete: the concrete function.
         specs: the argument specs it was traced for.
-        calls: the Keras optimizer ``apply`` calls made while tracing it.
+        calls: the Keras optimizer ``apply`` calls made while tracing it, in
+            the step's own graph (not inside a ``tf.cond`` or loop).
+        nested_calls: those made inside a ``tf.cond`` or loop of the step.
         function: the step as given.
     """
 
@@ -159,6 +161,7 @@ class TracedStep:
     specs: object
     calls: list
     function: Callable
+    nested_calls: list
 
 
 def trace_step(fn: Callable, args: tuple, replicas: Optional[int] = None) -> TracedStep:
@@ -177,7 +180,8 @@ def trace_step(fn: Callable, args: tuple, replicas: Optional[int] = None) -> Tra
     with _keras_compat.capture_optimizer_apply(calls.append):
         concrete = tf.function(python_function).get_concrete_function(*specs)
     return TracedStep(getattr(python_function, "__name__", "the step"), concrete, specs,
-                      [c for c in calls if c.graph is concrete.graph], fn)
+                      [c for c in calls if c.graph is concrete.graph], fn,
+                      [c for c in calls if c.graph is not concrete.graph])
 
 
 def lift_step(traced_step: TracedStep) -> LiftedStep:
@@ -190,6 +194,13 @@ def lift_step(traced_step: TracedStep) -> LiftedStep:
     label, concrete, specs, calls = (traced_step.label, traced_step.concrete,
                                      traced_step.specs, traced_step.calls)
     traced = concrete.graph
+    if not calls and traced_step.nested_calls:
+        optimizer = type(traced_step.nested_calls[0].optimizer).__name__
+        raise NotImplementedError(
+            f"AutoDist does not yet distribute an optimizer update made inside a tf.cond or "
+            f"loop: {label} applies {optimizer}'s update there. A LossScaleOptimizer does, "
+            "which Keras wraps around the optimizer under the mixed_float16 and "
+            "mixed_bfloat16 policies: train with the float32 policy.")
     if not calls:
         raise ValueError(
             f"AutoDist found no optimizer update in {label}: apply the gradients with a "
@@ -199,12 +210,20 @@ def lift_step(traced_step: TracedStep) -> LiftedStep:
             f"AutoDist supports one optimizer update per step; {label} applies "
             f"{len(calls)} ({', '.join(type(c.optimizer).__name__ for c in calls)}).")
     call = calls[0]
+    if getattr(call.optimizer, "use_ema", False):
+        raise NotImplementedError(
+            f"AutoDist does not keep an optimizer's moving average of the weights: "
+            f"{type(call.optimizer).__name__} in {label} is created with use_ema=True; "
+            "create it with use_ema=False.")
     trainable = {id(as_tf_variable(v)) for v in call.variables}
     optimizer_state = {id(as_tf_variable(v)) for v in call.optimizer.variables}
     by_handle = {id(v.handle): v for v in traced.variables}
 
-    paths = _metric_paths(traced_step.function)
+    owners = captures.reachable_owners(traced_step.function)
+    paths = captures.metric_paths(owners)
     # Read eagerly, before entering the new graph.
+    tables = captures.lookup_tables(owners) if any(
+        e.dtype == tf.resource and id(e) not in by_handle for e, _ in traced.captures) else {}
     values = {id(v): v.numpy() for v in traced.variables}
     constants = {id(e): e.numpy() for e, _ in traced.captures
                  if id(e) not in by_handle and e.dtype != tf.resource}
@@ -214,11 +233,17 @@ def lift_step(traced_step: TracedStep) -> LiftedStep:
         for external, internal in traced.captures:
             variable = by_handle.get(id(external))
             if variable is None:
-                if external.dtype == tf.resource:
+                if external.dtype != tf.resource:
+                    input_map[internal.name] = tf.constant(constants[id(external)])
+                elif id(external) in tables:  # read-only: each node holds a copy
+                    input_map[internal.name] = tables[id(external)].lifted_handle()
+                else:
                     raise NotImplementedError(
                         f"{label} uses a resource AutoDist cannot distribute "
-                        f"({internal.name}); only variables and constants may be captured.")
-                input_map[internal.name] = tf.constant(constants[id(external)])
+                        f"({internal.name}): only variables, constants and the lookup "
+                        "tables of Keras layers (StringLookup, IntegerLookup, "
+                        "TextVectorization) may be captured. Run the layer that holds it "
+                        "in the input pipeline (dataset.map) instead.")
                 continue
             # Keras 3 names a variable by its path, but TensorFlow's eager names may
             # be uniquified per scope ("sum_loss_1/count" beside "sum_loss/total");
@@ -277,41 +302,6 @@ def lift_step(traced_step: TracedStep) -> LiftedStep:
     outputs = [lifted_tensor(t) if isinstance(t, tf.Tensor) else t
                for t in tf.nest.flatten(structure)]
     return LiftedStep(item, inputs, outputs, structure, variables)
-
-
-def _metric_paths(fn: Callable) -> dict:
-    """id of a metric's ``tf.Variable`` -> its Keras path, for the metrics ``fn`` can reach.
-
-    Looked up where steps keep their metrics: the model of a ``train_step``
-    (``fn.__self__``), and the models, layers and metrics the function's
-    closure or the globals it names hold (a custom loop's ``train_loss``).
-    """
-    python_function = getattr(fn, "python_function", fn)
-    function = getattr(python_function, "__func__", python_function)
-    owners = [getattr(python_function, "__self__", None)]
-    owners += [cell.cell_contents for cell in getattr(function, "__closure__", None) or ()
-               if _has_contents(cell)]
-    code, scope = getattr(function, "__code__", None), getattr(function, "__globals__", {})
-    owners += [scope[name] for name in (code.co_names if code else ()) if name in scope]
-    paths = {}
-    for owner in owners:
-        if isinstance(owner, keras.Model):
-            metrics = owner.metrics_variables
-        elif isinstance(owner, keras.metrics.Metric):
-            metrics = owner.variables
-        else:
-            continue
-        for variable in metrics:
-            paths[id(as_tf_variable(variable))] = variable.path
-    return paths
-
-
-def _has_contents(cell) -> bool:
-    try:
-        cell.cell_contents  # pylint: disable=pointless-statement
-    except ValueError:  # a free variable not yet bound
-        return False
-    return True
 
 
 def _batch_inputs(graph_def, inputs: list):

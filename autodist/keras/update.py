@@ -235,6 +235,8 @@ class KerasUpdate:
         rest_inputs = self._inputs(stages.rest, no_gradient, state_handles, common)
         with tf.control_dependencies(per_variable), tf.device(updates[0].variable.device):
             rest = self._import(stages.rest, rest_inputs, "keras_update/rest")
+        # A write of the common stage (Nadam's running momentum product) runs once
+        # per update, before the per-variable stages (see ``_apply_part``).
         finish = tf.group(*per_variable, *self._writes(rest))
         return finish, per_variable
 
@@ -270,8 +272,11 @@ class KerasUpdate:
             # those control edges lead out of the update and are not imported. Writes
             # that do not read the gradient (AdamW's weight decay) would otherwise race
             # the replicas' reads: the stage waits for the mean gradient, which the
-            # replicas compute from what they read.
-            with tf.control_dependencies(tf.nest.flatten(update.gradient, expand_composites=True)):
+            # replicas compute from what they read. It also waits for the common
+            # stage's writes, whose state it may read (Nadam's momentum product).
+            with tf.control_dependencies(
+                    tf.nest.flatten(update.gradient, expand_composites=True)
+                    + self._writes(common)):
                 writes = self._import(ops, inputs, f"keras_update/{update.variable.op.name}")
         return tf.group(*self._writes(writes))
 

@@ -191,6 +191,7 @@ def _plan_initialization(result: DistributedGraph, shared_variables: list,
     # What the chief owns (a PS variable and its slots) exists in its graph alone.
     first = [v for v in everything if v not in derived and (ctx.is_chief or v not in chief_owned)]
     prefill = [op for synchronizer in synchronizers for op in synchronizer.chief_init_ops()]
+    prefill += [result.graph.get_operation_by_name(name) for name in result.item.table_initializers]
     result.init_ops = (tf.group(tf.compat.v1.variables_initializer(first), *prefill,
                                 name="autodist_init"),
                        tf.compat.v1.variables_initializer([v for v in everything if v in derived],
