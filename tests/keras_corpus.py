@@ -50,10 +50,27 @@ class Env:
     function: Callable = tf.function
     workdir: Optional[pathlib.Path] = None
     name: str = "single"
+    node: int = 0
+    nodes: int = 1
 
     def __post_init__(self):
         if self.workdir is None:
             self.workdir = pathlib.Path(tempfile.mkdtemp(prefix="keras_corpus_"))
+
+    def shard(self, batch_size: int, *arrays) -> tuple:
+        """This node's rows of every global batch of ``batch_size`` rows, and its batch size.
+
+        On one node, the arrays whole. On ``nodes`` nodes of one replica each,
+        node k feeds rows [k*b, (k+1)*b) of each global batch, b = batch_size / nodes,
+        as a script run on every node of a cluster shards its data.
+        """
+        if self.nodes == 1:
+            return (*arrays, batch_size)
+        share = batch_size // self.nodes
+        assert share * self.nodes == batch_size and len(arrays[0]) % batch_size == 0
+        rows = np.concatenate([np.arange(start + self.node * share, start + (self.node + 1) * share)
+                               for start in range(0, len(arrays[0]), batch_size)])
+        return (*[a[rows] for a in arrays], share)
 
 
 @dataclasses.dataclass
@@ -172,12 +189,13 @@ def lr_scheduler(env: Env) -> Result:
             return lr
         return lr * 0.5
 
+    x, y, batch_size = env.shard(8, x, y)
     _fresh_start(2)
     with env.scope():
         model = _small_regressor()
         model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.05, momentum=0.9),
                       loss="mse", metrics=["mae"])
-    history = model.fit(x, y, epochs=3, batch_size=8, shuffle=False, verbose=0,
+    history = model.fit(x, y, epochs=3, batch_size=batch_size, shuffle=False, verbose=0,
                         callbacks=[keras.callbacks.LearningRateScheduler(scheduler)])
     return result(model, model.optimizer, history,
                   final_learning_rate=float(model.optimizer.learning_rate.numpy()))
@@ -276,7 +294,7 @@ class CustomModel(keras.Model):
 
 
 def custom_train_step_loss_tracker(env: Env) -> Result:
-    x, y = _regression_data(seed=206)
+    x, y, batch_size = env.shard(8, *_regression_data(seed=206))
     _fresh_start(6)
     with env.scope():
         inputs = keras.Input(shape=(6,))
@@ -284,7 +302,7 @@ def custom_train_step_loss_tracker(env: Env) -> Result:
         outputs = layers.Dense(1)(hidden)
         model = CustomModel(inputs, outputs)
         model.compile(optimizer=keras.optimizers.Adam(0.01))
-    history = model.fit(x, y, epochs=2, batch_size=8, shuffle=False, verbose=0)
+    history = model.fit(x, y, epochs=2, batch_size=batch_size, shuffle=False, verbose=0)
     return result(model, model.optimizer, history,
                   tracker=[v.numpy() for v in model.loss_tracker.variables],
                   mae=[v.numpy() for v in model.mae_metric.variables])
@@ -459,7 +477,8 @@ def _transformer_classifier(env: Env, embedding_layer) -> Result:
         model = keras.Model(inputs=inputs, outputs=outputs)
         model.compile(optimizer=keras.optimizers.Adam(learning_rate=0.01),
                       loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-    history = model.fit(x_train, y_train, batch_size=8, epochs=2, shuffle=False, verbose=0,
+    x, y, batch_size = env.shard(8, x_train, y_train)
+    history = model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0,
                         validation_data=(x_train[:8], y_train[:8]))
     return result(model, model.optimizer, history)
 
