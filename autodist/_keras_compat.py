@@ -1,9 +1,10 @@
 """Every use of Keras 3's private API lives here, so a Keras upgrade touches one file.
 
 What the Keras front end needs that Keras exposes no public hook for: seeing
-what a Keras optimizer is asked to apply while a step is traced, and seeing
-which models are compiled inside ``ad.scope()``. Both are patches of a class
-method that a context manager always restores.
+what a Keras optimizer is asked to apply while a step is traced, seeing an
+optimizer applied eagerly inside ``ad.scope()`` (a loop AutoDist does not
+distribute), and seeing which models are compiled there. Each is a patch of a
+class method that a context manager always restores.
 """
 from __future__ import annotations
 
@@ -64,6 +65,26 @@ def capture_optimizer_apply(record: Callable[[ApplyCall], None]) -> Iterator[Non
         return result
 
     base_optimizer.BaseOptimizer.apply = recording_apply
+    try:
+        yield
+    finally:
+        base_optimizer.BaseOptimizer.apply = original
+
+
+@contextlib.contextmanager
+def report_eager_apply(record: Callable[[keras.optimizers.Optimizer], None]) -> Iterator[None]:
+    """Within the block, reports every Keras ``optimizer.apply`` run eagerly (not traced).
+
+    The original method is always restored on exit.
+    """
+    original = base_optimizer.BaseOptimizer.apply
+
+    def reporting_apply(self, grads, trainable_variables=None):
+        if tf.executing_eagerly():
+            record(self)
+        return original(self, grads, trainable_variables)
+
+    base_optimizer.BaseOptimizer.apply = reporting_apply
     try:
         yield
     finally:

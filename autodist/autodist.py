@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from typing import Callable, Iterator, Optional, Union
 
 import tensorflow as tf
@@ -100,6 +101,7 @@ class AutoDist:
         self._optimizer_calls = []
         self._strategy: Optional[Strategy] = None
         self._joined = False  # a cluster job runs one graph
+        self._warned_eager = False
 
     @property
     def resource_spec(self) -> ResourceSpec:
@@ -125,11 +127,25 @@ class AutoDist:
         """Build the model in here; AutoDist records what the optimizer applies.
 
         A Keras model compiled in here trains through AutoDist in ``fit`` (also
-        when ``fit`` is called after the block).
+        when ``fit`` is called after the block). A Keras optimizer applied
+        eagerly in here (a training loop without ``@ad.function``) trains on
+        one device; AutoDist warns once when it does.
         """
         with _tf_compat.capture_apply_gradients(self._optimizer_calls.append), \
-                _keras_compat.capture_compile(self._distribute_fit):
+                _keras_compat.capture_compile(self._distribute_fit), \
+                _keras_compat.report_eager_apply(self._warn_eager_step):
             yield
+
+    def _warn_eager_step(self, optimizer) -> None:
+        """Says once that an eager training loop in the scope runs on one device."""
+        if self._warned_eager:
+            return
+        self._warned_eager = True
+        warnings.warn(
+            f"AutoDist: {type(optimizer).__name__}.apply ran eagerly inside ad.scope(), so "
+            "this training step runs on one device, undistributed. Decorate the step "
+            "function with @ad.function (or train with model.fit) to distribute it.",
+            stacklevel=4)
 
     def function(self, fn: Callable) -> DistributedFunction:
         """Distributes a Keras / TF2 training step (also usable as ``@ad.function``).

@@ -265,7 +265,11 @@ class DistributedSession:
         copies = [distributed.replica_element(name, r)
                   for r in range(distributed.ctx.num_replicas)]
         if ":" not in name:
-            return tf.group(*copies)
+            # tf.group would mark each copy (an attribute) after the session ran it,
+            # which TensorFlow warns about; a new op waiting for them changes none.
+            waiting = tf.no_op(name=f"{op_name}/all_replicas")
+            _tf_compat.add_control_inputs(waiting, copies)
+            return waiting
         return _combine(copies)
 
     def _processed(self, name: str, call: int):

@@ -8,6 +8,10 @@ step's placeholders take).
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import keras
 import numpy as np
 import pytest
@@ -367,3 +371,43 @@ def test_a_state_scalar_the_update_writes_once_for_every_variable(spec_path):
     (want, _), (got, _) = fit_both(spec_path, PartitionedPS(), build, x, y, epochs=2)
     assert_same(got, want, "Nadam")
     assert 0 < float(want.optimizer_variables[want.optimizer_names.index("variable")]) < 1
+
+
+# ----------------------------------------------------------------------------- smaller items
+
+def test_an_eager_training_loop_inside_the_scope_warns_once_naming_ad_function(spec_path):
+    x, y = data(13)
+    ad = AutoDist(resource_spec_file=spec_path, strategy_builder=AllReduce())
+    with ad.scope():
+        model = mlp(keras.optimizers.SGD(0.01))
+        with pytest.warns(UserWarning, match=r"SGD.apply ran eagerly inside ad.scope\(\).*"
+                                             r"one device.*@ad.function") as caught:
+            for start in range(0, ROWS, BATCH):  # no decorator: eager
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean(tf.square(model(x[start:start + BATCH]) - y[start:start + BATCH]))
+                grads = tape.gradient(loss, model.trainable_variables)
+                model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    assert len([w for w in caught if "ran eagerly" in str(w.message)]) == 1
+
+
+def test_importing_autodist_after_tensorflow_adds_no_warning_to_fit(spec_path, tmp_path):
+    """TensorFlow warns when an op it ran gets an attribute; AutoDist sets none after a run."""
+    script = tmp_path / "after_tensorflow.py"
+    script.write_text(f"""
+import tensorflow as tf
+import keras
+import numpy as np
+from autodist import AutoDist
+ad = AutoDist({spec_path!r})
+with ad.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile("adam", "mse", metrics=["mae"])
+model.fit(np.ones((16, 4), "float32"), np.ones((16, 1), "float32"), epochs=2, verbose=0)
+print("trained")
+""")
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "trained" in done.stdout
+    assert "was changed by setting attribute" not in done.stderr, done.stderr[-2000:]

@@ -67,9 +67,11 @@ class _FitRunner:
                  open_session: Callable[[LiftedStep], DistributedSession], replicas: int):
         self._model = model
         self._step: Optional[DistributedStep] = None  # the step that ran last
-        # One step per structure of the data (see StepCache).
+        # One step per structure of the data (see StepCache); traced without
+        # autograph, as Keras traces train_step.
         self._steps = StepCache(model.train_step, replicas,
-                                lambda lifted: DistributedStep(lifted, open_session(lifted)))
+                                lambda lifted: DistributedStep(lifted, open_session(lifted)),
+                                autograph=False)
         self._stale = False  # trained values not yet copied into the model
         self._slots_stale = False  # the optimizer's slots not yet copied
         self._in_fit = False  # else a step is train_on_batch's, copied back at once

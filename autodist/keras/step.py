@@ -88,10 +88,14 @@ class StepCache:
         fn: the training step.
         replicas: the number of replicas on this node, which split each batch.
         open_step: makes the runnable step of a lifted one.
+        autograph: whether to convert ``fn``'s Python control flow, as
+            ``tf.function`` does; Keras's ``fit`` traces ``train_step`` without.
     """
 
-    def __init__(self, fn: Callable, replicas: int, open_step: Callable[[LiftedStep], object]):
+    def __init__(self, fn: Callable, replicas: int, open_step: Callable[[LiftedStep], object],
+                 autograph: bool = True):
         self._fn = fn
+        self._autograph = autograph
         self._replicas = replicas
         self._open_step = open_step
         self._steps = {}  # signature -> its step
@@ -109,7 +113,7 @@ class StepCache:
         """Lifts and opens the step for ``args``; returns it."""
         key = signature(args)
         try:
-            traced = trace_step(self._fn, args)
+            traced = trace_step(self._fn, args, autograph=self._autograph)
         except Exception as err:  # pylint: disable=broad-except
             traced = self._trace_with_static_batch(args, err)
             self._static.add(key)
@@ -133,7 +137,7 @@ class StepCache:
                 f"evenly over {self._replicas} replicas. Feed batches of a multiple of "
                 f"{self._replicas} rows, or compute with tf.shape(x)[0] instead of "
                 "x.shape[0].") from free_error
-        return trace_step(self._fn, args, self._replicas)
+        return trace_step(self._fn, args, self._replicas, self._autograph)
 
 
 def _last_line(error: Exception) -> str:
@@ -164,7 +168,8 @@ class TracedStep:
     nested_calls: list
 
 
-def trace_step(fn: Callable, args: tuple, replicas: Optional[int] = None) -> TracedStep:
+def trace_step(fn: Callable, args: tuple, replicas: Optional[int] = None,
+               autograph: bool = True) -> TracedStep:
     """Traces ``fn(*args)``, recording the optimizer updates it makes.
 
     Args:
@@ -173,12 +178,14 @@ def trace_step(fn: Callable, args: tuple, replicas: Optional[int] = None) -> Tra
             batch dimension are what the step is traced for).
         replicas: None to trace with the batch dimension free; else the number
             of local replicas, to trace with each one's share of ``args``'s rows.
+        autograph: whether to convert the step's Python control flow.
     """
     python_function = getattr(fn, "python_function", fn)  # a tf.function's own body
     specs = tf.nest.map_structure(lambda a: argument_spec(a, replicas), args)
     calls = []
     with _keras_compat.capture_optimizer_apply(calls.append):
-        concrete = tf.function(python_function).get_concrete_function(*specs)
+        concrete = tf.function(python_function, autograph=autograph).get_concrete_function(
+            *specs)
     return TracedStep(getattr(python_function, "__name__", "the step"), concrete, specs,
                       [c for c in calls if c.graph is concrete.graph], fn,
                       [c for c in calls if c.graph is not concrete.graph])
