@@ -55,8 +55,8 @@ class _FitRunner:
 
     Each step copies both ways only the small state: what the forward pass
     writes (the metrics, for the logs) and the optimizer's scalars (its
-    iteration count, and a learning rate a callback sets takes effect at the
-    next step). The trained weights and the optimizer's slots are copied back
+    iteration count and learning rate: a rate a callback sets takes effect at
+    the next step). The trained weights and the optimizer's slots are copied back
     whenever Keras code may read them: before validation, at the end of every
     epoch and of ``fit``, and after every batch when a callback acts per batch
     (then the weights, not the slots), unless it says its batch hooks read no

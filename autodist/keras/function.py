@@ -38,8 +38,8 @@ class DistributedStep:
         self._reads, self._writes = [], []
         # Small state, copied both ways at every step: what the forward pass writes
         # (metrics, batch-norm statistics, seeds; reset by Keras between epochs) and
-        # the optimizer's own scalars (its iteration count, a learning rate or loss
-        # scale that a callback may set between two batches).
+        # the optimizer's own scalars (its iteration count, a learning rate that a
+        # callback may set between two batches).
         self._small = set()
         # The optimizer's slots: as large as the weights (Adam: twice), read by
         # Keras code between epochs rather than between batches.

@@ -122,7 +122,7 @@ class StepCache:
         self._steps[key] = step
         return step
 
-    def _trace_with_static_batch(self, args: tuple, free_error: Exception) -> "TracedStep":
+    def _trace_with_static_batch(self, args: tuple, free_error: Exception) -> TracedStep:
         rows = {tf.convert_to_tensor(a).shape[0] for a in tf.nest.flatten(args)
                 if not is_static(a) and tf.convert_to_tensor(a).shape.rank}
         if not rows:
@@ -154,17 +154,17 @@ class TracedStep:
         label: the function's name, for messages.
         concrete: the concrete function.
         specs: the argument specs it was traced for.
+        function: the step as given.
         calls: the Keras optimizer ``apply`` calls made while tracing it, in
             the step's own graph (not inside a ``tf.cond`` or loop).
         nested_calls: those made inside a ``tf.cond`` or loop of the step.
-        function: the step as given.
     """
 
     label: str
     concrete: object
     specs: object
-    calls: list
     function: Callable
+    calls: list
     nested_calls: list
 
 
@@ -186,9 +186,9 @@ def trace_step(fn: Callable, args: tuple, replicas: Optional[int] = None,
     with _keras_compat.capture_optimizer_apply(calls.append):
         concrete = tf.function(python_function, autograph=autograph).get_concrete_function(
             *specs)
-    return TracedStep(getattr(python_function, "__name__", "the step"), concrete, specs,
-                      [c for c in calls if c.graph is concrete.graph], fn,
-                      [c for c in calls if c.graph is not concrete.graph])
+    return TracedStep(getattr(python_function, "__name__", "the step"), concrete, specs, fn,
+                      calls=[c for c in calls if c.graph is concrete.graph],
+                      nested_calls=[c for c in calls if c.graph is not concrete.graph])
 
 
 def lift_step(traced_step: TracedStep) -> LiftedStep:
