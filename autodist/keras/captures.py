@@ -26,11 +26,10 @@ _EXPORTABLE_TABLES = (tf.lookup.StaticHashTable, tf.lookup.experimental.MutableH
 
 @dataclasses.dataclass(frozen=True)
 class TableContents:
-    """A lookup table's keys and values, read eagerly, and the layer holding it."""
+    """A lookup table's keys and values, read eagerly."""
 
     keys: np.ndarray
     values: np.ndarray
-    layer: str
 
     def lifted_handle(self) -> tf.Tensor:
         """A read-only table with these contents in the default graph: its handle.
@@ -82,8 +81,8 @@ def lookup_tables(owners: list) -> dict:
                     keys, values = tf.raw_ops.LookupTableExportV2(
                         table_handle=value.resource_handle, Tkeys=value.key_dtype,
                         Tvalues=value.value_dtype)
-                    tables[id(value.resource_handle)] = TableContents(
-                        keys.numpy(), values.numpy(), f"'{layer.name}' ({type(layer).__name__})")
+                    tables[id(value.resource_handle)] = TableContents(keys.numpy(),
+                                                                      values.numpy())
     return tables
 
 

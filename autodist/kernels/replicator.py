@@ -156,7 +156,7 @@ def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
                 value = (tf.add_n(values) / float(len(values)) if values[0].dtype.is_floating
                          else values[0])
             else:
-                if len({v.name for v in values}) == 1:  # computed from no replica's rows
+                if _computed_once(values):
                     total = values[0]
                 elif _scope(merge) in per_step:
                     if shares is None:
@@ -169,6 +169,11 @@ def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
             writes.append(tf.raw_ops.AssignVariableOp(resource=handle, value=value,
                                                       name=f"{name}/merged"))
     return writes
+
+
+def _computed_once(values: list) -> bool:
+    """Whether every replica's value is the same shared tensor, computed from no replica's rows."""
+    return len({v.name for v in values}) == 1
 
 
 def _scope(merge: "_Merge") -> str:
@@ -195,7 +200,7 @@ def _per_step_scopes(item: GraphItem, merged: dict, assigned: dict) -> set:
     scopes = set()
     for name, merge in merged.items():
         values = assigned[name]
-        if merge.delta is not None and len(values) > 1 and len({v.name for v in values}) == 1:
+        if merge.delta is not None and len(values) > 1 and _computed_once(values):
             scopes.add(_scope(merge))
     nodes = {node.name: node for node in item.graph_def.node}
     for node in item.graph_def.node:
