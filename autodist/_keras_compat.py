@@ -1,7 +1,8 @@
 """Every use of Keras 3's private API lives here, so a Keras upgrade touches one file.
 
 What the Keras front end needs that Keras exposes no public hook for: seeing
-what a Keras optimizer is asked to apply while a step is traced, seeing an
+what a Keras optimizer is asked to apply while a step is traced (and having a
+``LossScaleOptimizer`` apply through AutoDist's version of its step), seeing an
 optimizer applied eagerly inside ``ad.scope()`` (a loop AutoDist does not
 distribute), and seeing which models are compiled there. Each is a patch of a
 class method that a context manager always restores.
@@ -10,11 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import keras
 import tensorflow as tf
-from keras.src.optimizers import base_optimizer
+from keras.src.optimizers import base_optimizer, loss_scale_optimizer
 
 
 @dataclasses.dataclass
@@ -27,6 +28,12 @@ class ApplyCall:
         grads: the gradients it was asked to apply (tensors of ``graph``, or None).
         variables: the Keras variables they belong to, in the same order.
         created: names of every op the call created (the optimizer's update).
+        applied_if: a scalar bool tensor of ``graph``, or None: the writes of
+            ``conditional`` take effect only where it is true (a
+            ``LossScaleOptimizer``'s finite check).
+        conditional: names of the ops ``applied_if`` gates.
+        loss_scale: the variable the step multiplies its loss by before the
+            gradients (a ``LossScaleOptimizer``'s scale), or None.
     """
 
     graph: tf.Graph
@@ -34,41 +41,89 @@ class ApplyCall:
     grads: list
     variables: list
     created: frozenset
+    applied_if: Optional[tf.Tensor] = None
+    conditional: frozenset = frozenset()
+    loss_scale: Optional[tf.Variable] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ConditionalUpdate:
+    """What a ``LossScaleOptimizer``'s apply without a ``tf.cond`` reports.
+
+    Attributes:
+        applied_if: the scalar bool tensor that gates ``conditional``'s writes.
+        conditional: names of the inner optimizer's ops.
+        loss_scale: the optimizer's loss scale variable.
+    """
+
+    applied_if: tf.Tensor
+    conditional: frozenset
+    loss_scale: tf.Variable
+
+
+LossScaleApply = Callable[[keras.optimizers.LossScaleOptimizer, list, Optional[list]],
+                          ConditionalUpdate]
 
 
 @contextlib.contextmanager
-def capture_optimizer_apply(record: Callable[[ApplyCall], None]) -> Iterator[None]:
+def capture_optimizer_apply(record: Callable[[ApplyCall], None],
+                            loss_scale_apply: Optional[LossScaleApply] = None
+                            ) -> Iterator[None]:
     """Within the block, reports every outermost Keras ``optimizer.apply`` call.
 
     A wrapping optimizer (``LossScaleOptimizer``) calls its inner optimizer's
-    ``apply``; only the outer call is reported. The original method is always
-    restored on exit.
+    ``apply``; only the outer call is reported. With ``loss_scale_apply``, a
+    ``LossScaleOptimizer`` applies through it instead of its own ``apply``
+    (which applies the inner optimizer inside a ``tf.cond``). The original
+    methods are always restored on exit.
     """
-    original = base_optimizer.BaseOptimizer.apply
+    base_apply = base_optimizer.BaseOptimizer.apply
+    own_apply = loss_scale_optimizer.LossScaleOptimizer.__dict__["apply"]
     depth = [0]
 
-    def recording_apply(self, grads, trainable_variables=None):
-        if depth[0]:
-            return original(self, grads, trainable_variables)
-        grads = list(grads)
-        variables = (list(trainable_variables) if trainable_variables is not None
-                     else list(self.trainable_variables))
-        graph = tf.compat.v1.get_default_graph()
-        before = {op.name for op in graph.get_operations()}
-        depth[0] += 1
-        try:
-            result = original(self, grads, trainable_variables)
-        finally:
-            depth[0] -= 1
-        created = frozenset(op.name for op in graph.get_operations()) - before
-        record(ApplyCall(graph, self, grads, variables, created))
-        return result
+    def recording(apply, conditional_update: bool):
+        def recording_apply(self, grads, trainable_variables=None):
+            if depth[0]:
+                return apply(self, grads, trainable_variables)
+            grads = list(grads)
+            variables = (list(trainable_variables) if trainable_variables is not None
+                         else list(self.trainable_variables))
+            graph = tf.compat.v1.get_default_graph()
+            before = {op.name for op in graph.get_operations()}
+            depth[0] += 1
+            try:
+                result = apply(self, grads, trainable_variables)
+            finally:
+                depth[0] -= 1
+            created = frozenset(op.name for op in graph.get_operations()) - before
+            call = ApplyCall(graph, self, grads, variables, created)
+            if conditional_update:
+                call.applied_if, call.conditional = result.applied_if, result.conditional
+                call.loss_scale = result.loss_scale
+                result = None
+            record(call)
+            return result
+        return recording_apply
 
-    base_optimizer.BaseOptimizer.apply = recording_apply
+    base_optimizer.BaseOptimizer.apply = recording(base_apply, False)
+    if loss_scale_apply is not None:
+        loss_scale_optimizer.LossScaleOptimizer.apply = recording(loss_scale_apply, True)
     try:
         yield
     finally:
-        base_optimizer.BaseOptimizer.apply = original
+        base_optimizer.BaseOptimizer.apply = base_apply
+        loss_scale_optimizer.LossScaleOptimizer.apply = own_apply
+
+
+def trainable_variables(optimizer: keras.optimizers.Optimizer) -> list:
+    """The variables a built optimizer applies gradients to, when ``apply`` names none."""
+    return list(optimizer._trainable_variables)  # pylint: disable=protected-access
+
+
+def overwrites_with_gradient(optimizer: keras.optimizers.Optimizer, variable) -> bool:
+    """Whether ``optimizer`` sets ``variable`` to its gradient rather than applying it
+    (a variable with ``overwrite_with_gradient``, such as float8 scales)."""
+    return optimizer._overwrite_variable_with_gradient(variable)  # pylint: disable=protected-access
 
 
 @contextlib.contextmanager
@@ -114,6 +169,13 @@ def capture_compile(record: Callable[[keras.Model], None]) -> Iterator[None]:
             owner.compile = original
         else:
             del owner.compile
+
+
+def compile_state(model: keras.Model) -> tuple:
+    """What a ``compile`` call makes anew: the optimizer, the loss and the metrics
+    containers (identities, which change with every ``compile``)."""
+    return (id(model.optimizer), id(model._compile_loss),  # pylint: disable=protected-access
+            id(model._compile_metrics))  # pylint: disable=protected-access
 
 
 def all_layers(model: keras.Model) -> list:

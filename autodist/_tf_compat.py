@@ -34,8 +34,10 @@ class OptimizerCall:
             returned for it in this graph, for each variable that has one, when
             some of them is not what this call applies (the user processed it
             in between, e.g. clipped it); else empty.
+        loss_scale: always None (a graph's loss scale is the user's own arithmetic).
     """
 
+    loss_scale = None
     graph: tf.Graph
     optimizer: _V1Optimizer
     grads_and_vars: list
@@ -58,6 +60,11 @@ class OptimizerCall:
         """Original name of each non-slot variable (Adam's powers) -> its key."""
         return {variable.op.name: key for key, variable
                 in optimizer_non_slot_variables(self.optimizer, self.graph).items()}
+
+    def hyperparameters(self) -> dict:
+        """Always empty: a ``tf.compat.v1`` optimizer's learning rate is a constant of
+        the graph, or a variable the chief initializes."""
+        return {}
 
     def new_update(self, translate: Callable[[object], tf.Tensor]) -> "V1Update":
         """A fresh copy of the optimizer for the distributed graph (the default graph).
@@ -230,6 +237,11 @@ def graph_element_name(variable: tf.Variable) -> str:
 def add_control_inputs(op: tf.Operation, control_ops: list) -> None:
     """Makes ``op`` run after ``control_ops`` (an edge added after import)."""
     op._add_control_inputs(control_ops)  # pylint: disable=protected-access
+
+
+def replace_input(op: tf.Operation, index: int, tensor: tf.Tensor) -> None:
+    """Makes ``op`` read ``tensor`` as its input ``index`` (an edge changed after import)."""
+    op._update_input(index, tensor)  # pylint: disable=protected-access
 
 
 def import_graph_def(graph_def, input_map: dict, prefix: str) -> None:

@@ -167,6 +167,15 @@ class GraphItem:
         call_of: variable name -> the index of the optimizer call updating it.
         processing: optimizer call index -> its ``GradientProcessing``, for the
             calls that process their gradients before applying them.
+        update_state: optimizer call index -> the non-trainable variables its
+            update writes (a global step, a loss scale).
+        read_by_control_flow: trainable variables whose handle a traced
+            ``tf.while_loop`` or ``tf.cond`` takes (TensorFlow runs it where the
+            variable is stored).
+        loss_scale_reads: names of the reads of a loss scale (the variable an
+            optimizer call's loss is multiplied by before the gradients,
+            ``loss_scale``) outside the update: shared ops, whose consumers are
+            all replicated.
 
     Raises:
         ValueError: when the graph has no captured optimizer call, or a variable
@@ -215,6 +224,9 @@ class GraphItem:
                 # What the replicas compute and the kinds average: the raw gradient.
                 self.gradients[name] = gradient_ref(call.raw_gradients.get(name, grad))
         self.variables = {v.op.name: v for v in self._trainables}
+        self.update_state = self._update_state()
+        self.loss_scale_reads = self._loss_scale_reads()
+        self.read_by_control_flow = self._read_by_control_flow()
         self._classify_ops()
         self._mark_same_rows()
         ranks = self._ready_ranks()
@@ -230,6 +242,46 @@ class GraphItem:
         self.processing = {index: self._processing(call)
                            for index, call in enumerate(self.optimizer_calls)
                            if call.raw_gradients}
+
+    def _update_state(self) -> Dict[int, frozenset]:
+        """Optimizer call index -> the non-trainable variables its update writes."""
+        nodes = {node.name: node for node in self.graph_def.node}
+        others = {v.op.name for v in self.other_variables}
+        written = {}
+        for index, call in enumerate(self.optimizer_calls):
+            names = set()
+            for name in call.update_op_names:
+                node = nodes.get(name)
+                if node is None or node.op not in RESOURCE_WRITES:
+                    continue
+                target = op_name(node.input[0])
+                while nodes[target].op == "Identity":
+                    target = op_name(nodes[target].input[0])
+                if target in others:
+                    names.add(target)
+            written[index] = frozenset(names)
+        return written
+
+    def _read_by_control_flow(self) -> frozenset:
+        """Trainable variables whose handle a traced loop or cond takes (an LSTM's kernels)."""
+        nodes = {node.name: node for node in self.graph_def.node}
+
+        def variable_of(name):
+            while name in nodes and nodes[name].op == "Identity":
+                name = op_name(nodes[name].input[0])
+            return name if name in self.variables else None
+
+        return frozenset(
+            variable for node in self.graph_def.node if node.op in FUNCTIONAL_CONTROL_FLOW
+            for inp in node.input if not inp.startswith("^")
+            for variable in [variable_of(op_name(inp))] if variable is not None)
+
+    def _loss_scale_reads(self) -> frozenset:
+        scales = {call.loss_scale for call in self.optimizer_calls if call.loss_scale}
+        return frozenset(
+            node.name for node in self.graph_def.node
+            if node.op == "ReadVariableOp" and node.name not in self.update_op_names
+            and op_name(node.input[0]) in scales)
 
     def _ready_ranks(self) -> Dict[str, int]:
         """Variable name -> when its gradient is ready in the backward pass, as a rank (0: first).
@@ -315,6 +367,9 @@ class GraphItem:
         replicated = set()
         frontier = [name for seed in seeds for name in consumers[seed]]
         frontier += [s for s in seeds if s not in self.variables and s not in self.batched_inputs]
+        # Each replica weighs its loss scale by its share of the rows (replicator), so
+        # what reads the scale (the loss's scaling and the gradient's seed) is per replica.
+        frontier += [name for read in self.loss_scale_reads for name in consumers[read]]
         while frontier:
             name = frontier.pop()
             if name in replicated or name in self.excluded:
@@ -336,11 +391,42 @@ class GraphItem:
 
     @property
     def fingerprint(self) -> str:
-        """Digest of the graph's structure; every node of a job must build the same one.
+        """What every node of a job must build the same: the digest of the graph's
+        structure, then one ``|name=digest`` per training setting.
 
-        Constant values and random seeds are left out: unseeded initializers differ
-        from process to process, and on a cluster initial values come from the chief.
+        The structure leaves constant values and random seeds out: unseeded
+        initializers differ from process to process, and on a cluster initial
+        values come from the chief. The settings are what the step reads that no
+        node gets from the chief: the optimizer's hyperparameters (a Keras
+        learning rate) and the step's floating-point scalar constants (loss
+        weights, rates, a ``tf.compat.v1`` optimizer's learning rate).
         """
+        settings = {"constants": self._scalar_constants()}
+        for index, call in enumerate(self.optimizer_calls):
+            for key, value in sorted(call.hyperparameters().items()):
+                settings[f"optimizer_{index}:{key}"] = np.asarray(value).tobytes()
+        return self._structure_digest() + "".join(
+            f"|{name}={hashlib.sha256(value).hexdigest()[:8]}"
+            for name, value in settings.items())
+
+    def _scalar_constants(self) -> bytes:
+        """The values of the floating-point scalar constants that are not initial values."""
+        initializers = {v.initializer.name for v in self._trainables + self.other_variables}
+        only_initial = {}
+        for node in self.graph_def.node:
+            for inp in node.input:
+                source = op_name(inp)
+                only_initial[source] = only_initial.get(source, True) and node.name in initializers
+        values = []
+        for node in sorted(self.graph_def.node, key=lambda n: n.name):
+            tensor = node.attr["value"].tensor if node.op == "Const" else None
+            if (tensor is None or tensor.tensor_shape.dim or only_initial.get(node.name, False)
+                    or not tf.dtypes.as_dtype(tensor.dtype).is_floating):
+                continue
+            values.append(f"{node.name}={tf.make_ndarray(tensor)!r}")
+        return "\n".join(values).encode()
+
+    def _structure_digest(self) -> str:
         digest = hashlib.sha256()
         for node in sorted(self.graph_def.node, key=lambda n: n.name):
             attrs = sorted(key for key in node.attr if key not in _UNSTABLE_ATTRS)
@@ -382,6 +468,16 @@ def _is_batched(node) -> bool:
     shape = node.attr["shape"].shape
     return not shape.unknown_rank and len(shape.dim) >= 1 and shape.dim[0].size == -1
 
+
+# A traced tf.while_loop or tf.cond: ops running functions of the graph's library.
+FUNCTIONAL_CONTROL_FLOW = ("While", "StatelessWhile", "If", "StatelessIf", "Case",
+                           "StatelessCase")
+# Ops writing a resource variable's value (the first input is the variable).
+RESOURCE_WRITES = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
+                   "ResourceScatterAdd", "ResourceScatterSub", "ResourceScatterUpdate",
+                   "ResourceScatterMul", "ResourceScatterDiv", "ResourceScatterMin",
+                   "ResourceScatterMax", "ResourceScatterNdUpdate", "ResourceScatterNdAdd",
+                   "ResourceScatterNdSub")
 
 # How a tensor depends on a replica's rows: not at all, only through the batch
 # dimension of a shape vector (element 0 of ``tf.shape(batch)``), or otherwise.

@@ -32,6 +32,8 @@ class KernelContext:
         state_per_node: keep the non-trainable variables per node even where a
             cluster could keep one copy on the chief (a Keras model's metrics
             and batch-norm statistics, which every node's model reads back).
+        updates_on_every_node: every node applies the whole update of every
+            part (``SynchronizerKind.updates_on_every_node``; always on one node).
         update_index: which optimizer call of the graph the kernels are
             synchronizing (0 for the first; a graph may have several).
     """
@@ -48,6 +50,7 @@ class KernelContext:
     has_collectives: bool = False
     has_remote_ops: bool = False
     state_per_node: bool = False
+    updates_on_every_node: bool = True
     update_index: int = 0
 
     @property

@@ -5,7 +5,7 @@ with its model built and compiled inside ``ad.scope()`` (its custom step
 compiled by ``ad.function``) under a builder. The two runs must leave the same
 weights, the same optimizer variables (names and values), the same History,
 the same per-step losses and the same extras (checkpoints, CSV logs, learning
-rates read back, evaluate/predict results), to 1e-5.
+rates read back, evaluate/predict results), to 1e-5 (float16 scripts: TOLERANCE).
 
 Cases marked xfail are product bugs (known ones, and new ones this corpus found);
 each reason names its bug so the
@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180),
               # fit on a tf.data.Dataset with the default shuffle=True, as users write it
               pytest.mark.filterwarnings("ignore:`shuffle=True` was passed")]
 
-ATOL = RTOL = 1e-5
+EXACT = 1e-5  # absolute and relative
 
 BUILDERS = {"AllReduce": AllReduce, "PartitionedPS": PartitionedPS, "Parallax": Parallax}
 ALL = tuple(BUILDERS)
@@ -53,14 +53,14 @@ REFUSED = {
                         r"one optimizer update per step; train_step applies 2 \(Adam, Adam\)"),
     "gan_overriding_train_step": (NotImplementedError,
                                   r"one optimizer update per step; train_step applies 2"),
-    # Not built yet: a LossScaleOptimizer applies its inner optimizer inside a tf.cond.
-    "mixed_precision": (NotImplementedError,
-                        r"optimizer update made inside a tf.cond or loop: train_step applies "
-                        r"Adam's update there. A LossScaleOptimizer does.*mixed_float16"),
     "optimizer_ema": (NotImplementedError,
                       r"moving average of the weights: AdamW in train_step is created with "
                       r"use_ema=True"),
 }
+# Scripts computing in float16: each replica rounds its own rows' partial sums, a single
+# device the whole batch's (tests/test_keras_mixed_precision.py checks the loss scale's
+# course step by step).
+TOLERANCE = {"mixed_precision": 5e-3}
 # Scripts that train differently by design or are not distributed yet, each with why.
 DIFFERS = {
     "custom_layers_add_loss": (
@@ -84,34 +84,35 @@ REFUSED_CASES = [(script, builder) for script in REFUSED for builder in SCRIPT_B
 
 # ----------------------------------------------------------------------------- comparison
 
-def _assert_close(got, want, what: str) -> None:
-    """Compares nested lists, tuples and dicts of numbers and arrays at ATOL / RTOL."""
+def _assert_close(got, want, what: str, tolerance: float = EXACT) -> None:
+    """Compares nested lists, tuples and dicts of numbers and arrays at ``tolerance``."""
     if isinstance(want, dict):
         assert isinstance(got, dict) and sorted(got) == sorted(want), f"{what}: keys"
         for key in want:
-            _assert_close(got[key], want[key], f"{what}[{key!r}]")
+            _assert_close(got[key], want[key], f"{what}[{key!r}]", tolerance)
     elif isinstance(want, (list, tuple)) and any(
             isinstance(w, (dict, list, tuple, np.ndarray)) for w in want):
         assert len(got) == len(want), f"{what}: length {len(got)} != {len(want)}"
         for index, (g, w) in enumerate(zip(got, want)):
-            _assert_close(g, w, f"{what}[{index}]")
+            _assert_close(g, w, f"{what}[{index}]", tolerance)
     else:
         got, want = np.asarray(got), np.asarray(want)
         assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
-        np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL, err_msg=what)
+        np.testing.assert_allclose(got, want, atol=tolerance, rtol=tolerance, err_msg=what)
 
 
-def assert_same(got: kc.Result, want: kc.Result, what: str) -> None:
+def assert_same(got: kc.Result, want: kc.Result, what: str, tolerance: float = EXACT) -> None:
     assert len(got.weights) == len(want.weights), f"{what}: number of weights"
     for index, (g, w) in enumerate(zip(got.weights, want.weights)):
-        _assert_close(g, w, f"{what}: model weight #{index}")
+        _assert_close(g, w, f"{what}: model weight #{index}", tolerance)
     assert list(got.optimizer_variables) == list(want.optimizer_variables), \
         f"{what}: optimizer variable names"
     for name, w in want.optimizer_variables.items():
-        _assert_close(got.optimizer_variables[name], w, f"{what}: optimizer variable {name}")
-    _assert_close(got.history, want.history, f"{what}: History")
-    _assert_close(got.losses, want.losses, f"{what}: per-step losses")
-    _assert_close(got.extras, want.extras, f"{what}: extras")
+        _assert_close(got.optimizer_variables[name], w, f"{what}: optimizer variable {name}",
+                      tolerance)
+    _assert_close(got.history, want.history, f"{what}: History", tolerance)
+    _assert_close(got.losses, want.losses, f"{what}: per-step losses", tolerance)
+    _assert_close(got.extras, want.extras, f"{what}: extras", tolerance)
 
 
 # ----------------------------------------------------------------------------- runs
@@ -131,7 +132,8 @@ def distributed(spec: str, builder: str, script: str, workdir) -> kc.Result:
 @pytest.mark.parametrize("script, builder", CASES)
 def test_script_matches_single_device(spec_path, tmp_path, script, builder):
     got = distributed(spec_path, builder, script, tmp_path)
-    assert_same(got, single(script), f"{script} under {builder}")
+    assert_same(got, single(script), f"{script} under {builder}",
+                TOLERANCE.get(script, EXACT))
 
 
 @pytest.mark.parametrize("script, builder", REFUSED_CASES)

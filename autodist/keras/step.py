@@ -18,9 +18,9 @@ import numpy as np
 import tensorflow as tf
 
 from autodist import _keras_compat
-from autodist.graph_item import GraphItem
-from autodist.keras import captures
-from autodist.keras.update import RESOURCE_WRITES, KerasOptimizerCall
+from autodist.graph_item import RESOURCE_WRITES, GraphItem
+from autodist.keras import captures, loss_scale
+from autodist.keras.update import KerasOptimizerCall
 from autodist.session import as_tf_variable
 
 _SCOPE = "step"
@@ -183,7 +183,7 @@ def trace_step(fn: Callable, args: tuple, replicas: Optional[int] = None,
     python_function = getattr(fn, "python_function", fn)  # a tf.function's own body
     specs = tf.nest.map_structure(lambda a: argument_spec(a, replicas), args)
     calls = []
-    with _keras_compat.capture_optimizer_apply(calls.append):
+    with _keras_compat.capture_optimizer_apply(calls.append, loss_scale.apply_without_cond):
         concrete = tf.function(python_function, autograph=autograph).get_concrete_function(
             *specs)
     return TracedStep(getattr(python_function, "__name__", "the step"), concrete, specs, fn,
@@ -204,10 +204,9 @@ def lift_step(traced_step: TracedStep) -> LiftedStep:
     if not calls and traced_step.nested_calls:
         optimizer = type(traced_step.nested_calls[0].optimizer).__name__
         raise NotImplementedError(
-            f"AutoDist does not yet distribute an optimizer update made inside a tf.cond or "
-            f"loop: {label} applies {optimizer}'s update there. A LossScaleOptimizer does, "
-            "which Keras wraps around the optimizer under the mixed_float16 and "
-            "mixed_bfloat16 policies: train with the float32 policy.")
+            f"AutoDist does not distribute an optimizer update made inside a tf.cond or "
+            f"loop: {label} applies {optimizer}'s update there. Apply it unconditionally "
+            "(a skipped step can apply zero gradients), outside the tf.cond.")
     if not calls:
         raise ValueError(
             f"AutoDist found no optimizer update in {label}: apply the gradients with a "
@@ -223,8 +222,12 @@ def lift_step(traced_step: TracedStep) -> LiftedStep:
             f"{type(call.optimizer).__name__} in {label} is created with use_ema=True; "
             "create it with use_ema=False.")
     trainable = {id(as_tf_variable(v)) for v in call.variables}
-    optimizer_state = {id(as_tf_variable(v)) for v in call.optimizer.variables}
     by_handle = {id(v.handle): v for v in traced.variables}
+    # Optimizer state the step also reads outside the update (a loss scale) is
+    # lifted as a variable of the model; the rest is the update's own per copy.
+    captured = {id(e): i for e, i in traced.captures}
+    optimizer_state = {id(v) for v in map(as_tf_variable, call.optimizer.variables)
+                       if not _read_outside(captured.get(id(v.handle)), call.created)}
 
     owners = captures.reachable_owners(traced_step.function)
     paths = captures.metric_paths(owners)
@@ -291,6 +294,11 @@ def lift_step(traced_step: TracedStep) -> LiftedStep:
                 grad = lifted_tensor(grad)
             grads_and_vars.append((grad, lifted_variable))
         update_ops = frozenset(f"{_SCOPE}/{name}" for name in call.created)
+        if call.applied_if is not None:
+            gated = [f"{_SCOPE}/{n}" for n in sorted(call.conditional)
+                     if graph.get_operation_by_name(f"{_SCOPE}/{n}").type in RESOURCE_WRITES]
+            update_ops |= {op.name for op in loss_scale.gate_writes(
+                graph, gated, lifted_tensor(call.applied_if))}
         writes = [graph.get_operation_by_name(n) for n in sorted(update_ops)
                   if graph.get_operation_by_name(n).type in RESOURCE_WRITES]
         tf.group(*writes, name=TRAIN_OP)
@@ -300,8 +308,11 @@ def lift_step(traced_step: TracedStep) -> LiftedStep:
                      for op in traced.control_outputs
                      if f"{_SCOPE}/{op.name}" not in update_ops]
         tf.group(*state_ops, name=STATE_OP)
+    loss_scale_name = (None if call.loss_scale is None
+                       else lifted_variables[id(as_tf_variable(call.loss_scale))])
     optimizer_call = KerasOptimizerCall(graph, grads_and_vars, update_ops, state_values,
-                                        TRAIN_OP, type(call.optimizer).__name__)
+                                        TRAIN_OP, type(call.optimizer).__name__,
+                                        loss_scale_name)
     # Every node's model reads its metrics and batch-norm statistics back.
     item = GraphItem(graph, [optimizer_call], state_per_node=True)
     inputs = [lifted_tensor(t) for t in traced.inputs[:num_inputs]]
@@ -341,6 +352,12 @@ def _outputs_before_update(graph_def, outputs: list, update_ops: frozenset):
             del node.input[:]
             node.input.extend(kept)
     return graph_def
+
+
+def _read_outside(placeholder: Optional[tf.Tensor], update_ops: frozenset) -> bool:
+    """Whether a captured variable's placeholder feeds an op outside the update."""
+    return placeholder is not None and any(op.name not in update_ops
+                                           for op in placeholder.consumers())
 
 
 def _graph_variable(graph: tf.Graph, name: str) -> tf.Variable:

@@ -28,18 +28,16 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
-from autodist.graph_item import PartUpdate, op_name, tensor_name
+from autodist.graph_item import RESOURCE_WRITES, PartUpdate, op_name, tensor_name
 from autodist.kernels import partitioner
 
-RESOURCE_WRITES = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
-                   "ResourceScatterAdd", "ResourceScatterSub", "ResourceScatterUpdate",
-                   "ResourceScatterMul", "ResourceScatterDiv", "ResourceScatterMin",
-                   "ResourceScatterMax", "ResourceScatterNdUpdate", "ResourceScatterNdAdd",
-                   "ResourceScatterNdSub")
 # Ops whose result on a part of a variable is not that part of their result on it.
 _NOT_ELEMENTWISE = ("Sum", "Mean", "Max", "Min", "Prod", "EuclideanNorm", "MatMul",
                     "BatchMatMulV2", "Transpose", "Reshape", "ArgMax", "ArgMin", "Cumsum",
                     "Einsum", "Tile", "Reverse", "ReverseV2")
+
+_COMBINES = ("combines the gradients of several variables (global_clipnorm, a "
+             "LossScaleOptimizer's finite check)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +59,8 @@ class KerasOptimizerCall:
         update_op_names: every op of the update, the optimizer's state
             placeholders and the train op.
         result_op_name: the op running the whole update (the train op).
+        loss_scale: the lifted variable the step multiplies its loss by before
+            the gradients (a ``LossScaleOptimizer``'s scale), or None.
 
     Attributes (as ``KerasUpdate`` reads them):
         optimizer_name: the optimizer's class name, for error messages.
@@ -80,13 +80,16 @@ class KerasOptimizerCall:
             the value it starts from (a numpy array).
         result_op_name: the train op's name.
         optimizer_name: for error messages.
+        loss_scale: as above.
     """
 
     global_step = None
 
     def __init__(self, graph: tf.Graph, grads_and_vars: list, update_ops: frozenset,
-                 state: dict, result_op_name: str, optimizer_name: str):
+                 state: dict, result_op_name: str, optimizer_name: str,
+                 loss_scale: Optional[str] = None):
         self.graph = graph
+        self.loss_scale = loss_scale
         self.grads_and_vars = grads_and_vars
         self.result_op_name = result_op_name
         self.update_op_names = frozenset(update_ops) | frozenset(state) | {result_op_name}
@@ -123,6 +126,12 @@ class KerasOptimizerCall:
     def non_slot_names(self) -> dict:
         """Original name of each non-slot state variable (iterations) -> its key."""
         return {name: name for name in self.stages.non_slots}
+
+    def hyperparameters(self) -> dict:
+        """Key -> starting value of the floating-point non-slot state (the learning
+        rate): what every node's update copy starts from its own model."""
+        return {key: self.state_values[key] for key in self.stages.non_slots
+                if np.issubdtype(self.state_values[key].dtype, np.floating)}
 
     def new_update(self, translate=None) -> "KerasUpdate":
         """A fresh copy of the optimizer's state and update for the default graph."""
@@ -291,23 +300,21 @@ class KerasUpdate:
             parts = by_name.get(owner)
             if parts is None:
                 raise NotImplementedError(
-                    f"{call.optimizer_name}'s update combines the gradients of several "
-                    f"variables (e.g. global_clipnorm), but '{owner}' is updated elsewhere "
-                    "under this strategy; use a strategy whose updates all run on one "
-                    "node (all PS or all AllReduce).")
+                    f"{call.optimizer_name}'s update {_COMBINES}, but '{owner}' is "
+                    "updated elsewhere under this strategy; use a strategy whose updates "
+                    "all run on one node (all PS or all AllReduce).")
             if any(p.shard is not None for p in parts):
                 raise NotImplementedError(
-                    f"{call.optimizer_name}'s update combines the gradients of several "
-                    f"variables, but the gradient of '{owner}' is sharded across replicas "
-                    "under this strategy; use a strategy that keeps its updates whole.")
+                    f"{call.optimizer_name}'s update {_COMBINES}, but the gradient of "
+                    f"'{owner}' is sharded across replicas under this strategy; use a "
+                    "strategy that keeps its updates whole.")
             if parts[0].plan is None:
                 return _component(parts[0].gradient, key, dtype, parts[0].variable)
             parts = sorted(parts, key=lambda u: u.part)
             if len(parts) != parts[0].plan.num_parts:
                 raise NotImplementedError(
-                    f"{call.optimizer_name}'s update combines the gradients of several "
-                    f"variables, but the parts of '{owner}' are updated on several nodes "
-                    "under this strategy.")
+                    f"{call.optimizer_name}'s update {_COMBINES}, but the parts of "
+                    f"'{owner}' are updated on several nodes under this strategy.")
             # Stitched as the traced update saw it: a sparse gradient stays sparse, as
             # the update may read its indices and values (a dense stitch has neither).
             return _component(partitioner.stitch_gradient([p.gradient for p in parts],

@@ -14,11 +14,13 @@ from typing import Optional
 import tensorflow as tf
 
 from autodist import _tf_compat
-from autodist.graph_item import KEYED_RANDOM_OPS, GraphItem, op_name, tensor_name
+from autodist.graph_item import (FUNCTIONAL_CONTROL_FLOW, KEYED_RANDOM_OPS, GraphItem,
+                                 op_name, tensor_name)
 from autodist.kernel_context import KernelContext, replica_scope
 
 _PLACEMENT_ATTRS = ("_class",)
 _VARIABLE_OPS = ("VarHandleOp",)
+_LOWER_ATTR = "_lower_using_switch_merge"
 
 
 def subgraph_def(item: GraphItem, names: set, external: dict, deferred: list,
@@ -112,6 +114,7 @@ def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
     graph = tf.compat.v1.get_default_graph()
     external = {}
     local_deferred = []
+    loss_scales = _loss_scales(item, ctx)
     # The library came with the shared import; each copy only adds its ops.
     graph_def = subgraph_def(item, item.replicated, external, local_deferred, with_library=False)
     merged = _defer_shared_assigns(item, graph_def)
@@ -130,6 +133,8 @@ def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
                 elif source in item.batched_inputs:
                     input_map[name] = _batch_slice(graph.get_tensor_by_name(name),
                                                    replica, ctx.num_replicas)
+                elif source in item.loss_scale_reads:
+                    input_map[name] = graph.get_tensor_by_name(name) * loss_scales[replica]
                 elif source in item.shared:
                     input_map[name] = graph.get_tensor_by_name(name)
                 else:
@@ -140,6 +145,7 @@ def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
             input_map[salt] = tf.constant([replica * _SALT_STRIDE], tf.uint64)
         for node in graph_def.node:
             node.device = device
+            _keep_functional(node)
         _tf_compat.import_graph_def(graph_def, input_map, scope)
         deferred.extend((f"{scope}/{node}", source) for node, source in local_deferred)
         for name, merge in merged.items():
@@ -169,6 +175,17 @@ def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
             writes.append(tf.raw_ops.AssignVariableOp(resource=handle, value=value,
                                                       name=f"{name}/merged"))
     return writes
+
+
+def _keep_functional(node) -> None:
+    """Has a traced ``tf.while_loop`` or ``tf.cond`` run as a function on its replica's device.
+
+    TensorFlow would lower it into switch and merge ops for the session, and its
+    body's ops, which carry no device, would land on the first CPU: every
+    iteration of the other replicas' loops (an LSTM's) would then cross devices.
+    """
+    if node.op in FUNCTIONAL_CONTROL_FLOW and _LOWER_ATTR in node.attr:
+        node.attr[_LOWER_ATTR].b = False
 
 
 def _computed_once(values: list) -> bool:
@@ -318,6 +335,37 @@ def _batch_slice(batch: tf.Tensor, replica: int, num_replicas: int) -> tf.Tensor
     start = size * replica // num_replicas
     end = size * (replica + 1) // num_replicas
     return batch[start:end]
+
+
+def gradient_weights(item: GraphItem, ctx: KernelContext) -> list:
+    """Per replica, the factor of its gradient before the replicas' gradients are averaged.
+
+    Its row weight (``row_weights``); but where the forward pass already weighs
+    the replica's loss by its share of the cluster's rows (a loss scale, see
+    ``_loss_scales``), the number of replicas, so that the mean is their sum.
+
+    Returns:
+        one scalar per local replica, or [] when every factor is 1.
+    """
+    if not item.loss_scale_reads:
+        return row_weights(item, ctx)
+    return [float(ctx.total_replicas)] * ctx.num_replicas if ctx.total_replicas > 1 else []
+
+
+def _loss_scales(item: GraphItem, ctx: KernelContext) -> list:
+    """Per replica, what its read of a loss scale is multiplied by: its share of the
+    cluster's rows.
+
+    Each replica's loss is the mean over its own rows; so weighted, its
+    gradient holds each row's term as the single-device gradient of the whole
+    batch does, and the float16 values of the backward pass are the ones a
+    single device computes (the same overflow, the same skipped step).
+    """
+    if not item.loss_scale_reads:
+        return []
+    scale = ctx.num_replicas / ctx.total_replicas
+    with tf.device(ctx.shared_device), tf.name_scope("autodist_loss_scale_shares"):
+        return [tf.cast(share * scale, tf.float32) for share in _row_shares(item, ctx)]
 
 
 def row_weights(item: GraphItem, ctx: KernelContext) -> list:

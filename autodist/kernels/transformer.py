@@ -153,7 +153,7 @@ def transform(item: GraphItem, compiled: CompiledStrategy, ctx: KernelContext) -
                 reduced = gradient_processing.process(item, index, reduced, ctx)
             update = UpdateOps(train_op=None)
             update.train_op, update.remote_step_op, foreign_here = _apply_updates(
-                item, item.optimizer_calls[index], reduced, list(synchronizers.values()),
+                item, index, reduced, list(synchronizers.values()),
                 shared_variables, ctx, update.optimizers)
             foreign |= foreign_here
             if state_writes or accumulation.resets:
@@ -209,27 +209,47 @@ def _create_storage(item: GraphItem, variable: CompiledVariable, ctx: KernelCont
               else partitioner.split_value(initial_value, variable.plan))
     parts = [synchronizers[part.kind.field].create_storage(part, value)
              for part, value in zip(variable.parts, values)]
-    if variable.plan is None:
-        handles = [reader.handle for reader in parts[0].readers]
-    else:
-        handles = [_stitched_handle(variable, parts, replica, ctx)
-                   for replica in range(ctx.num_replicas)]
+    handles = []
+    for replica in range(ctx.num_replicas):
+        readers = [p.readers[replica] for p in parts]
+        if variable.plan is not None:
+            handles.append(_replica_copy_handle(
+                variable, lambda r=readers: partitioner.stitch(
+                    [reader.read_value() for reader in r], variable.plan),
+                replica, "stitched", ctx))
+        elif (variable.info.name in item.read_by_control_flow
+              and not _same_device(readers[0].device, ctx.replica_tf_device(replica))):
+            # A loop taking the variable would run where the variable is stored.
+            handles.append(_replica_copy_handle(variable, readers[0].read_value, replica,
+                                                "replica_copy", ctx))
+        else:
+            handles.append(readers[0].handle)
     return VariableStorage(variable, parts, handles, ctx.shared_device)
 
 
-def _stitched_handle(variable: CompiledVariable, parts: list, replica: int,
-                     ctx: KernelContext) -> tf.Tensor:
-    """A per-replica variable holding the re-stitched value, refreshed before reads.
+def _replica_copy_handle(variable: CompiledVariable, value, replica: int, label: str,
+                         ctx: KernelContext) -> tf.Tensor:
+    """A variable on the replica's device holding ``value()``, refreshed before reads.
 
-    Any consumer of the variable (reads, gathers, loops) can use it unchanged.
+    Any consumer of the variable (reads, gathers, loops) can use it unchanged: a
+    partitioned variable's parts re-stitched, or a copy of a variable stored on
+    another device for a ``tf.while_loop`` or ``tf.cond`` taking it, which
+    TensorFlow places with its variables.
     """
     with tf.device(ctx.replica_tf_device(replica)):
-        stitched = local_variable(tf.zeros(variable.info.shape, variable.info.dtype),
-                                  f"{replica_scope(replica)}/{variable.info.name}/stitched")
-        refresh = stitched.assign(partitioner.stitch(
-            [p.readers[replica].read_value() for p in parts], variable.plan))
+        copy = local_variable(tf.zeros(variable.info.shape, variable.info.dtype),
+                              f"{replica_scope(replica)}/{variable.info.name}/{label}")
+        refresh = copy.assign(value())
         with tf.control_dependencies([refresh]):
-            return tf.identity(stitched.handle)
+            return tf.identity(copy.handle)
+
+
+def _same_device(a: str, b: str) -> bool:
+    """Whether two device names name one device (a field one leaves out matches any)."""
+    spec_a, spec_b = tf.DeviceSpec.from_string(a), tf.DeviceSpec.from_string(b)
+    fields = ("job", "replica", "task", "device_type", "device_index")
+    return all(getattr(spec_a, f) is None or getattr(spec_b, f) is None
+               or getattr(spec_a, f) == getattr(spec_b, f) for f in fields)
 
 
 def _synchronize(result: DistributedGraph, call: int, synchronizers: dict,
@@ -242,7 +262,7 @@ def _synchronize(result: DistributedGraph, call: int, synchronizers: dict,
     """
     item, ctx = result.item, result.ctx
     members = {field: [] for field in synchronizers}
-    weights = replicator.row_weights(item, ctx)
+    weights = replicator.gradient_weights(item, ctx)
     for name, storage in result.storage.items():
         ref = item.gradients.get(name)
         if ref is None or item.call_of[name] != call:
@@ -318,9 +338,9 @@ def _register_shared_variables(item: GraphItem) -> dict:
     return variables
 
 
-def _apply_updates(item: GraphItem, call, reduced: Reduced, synchronizers: list,
+def _apply_updates(item: GraphItem, index: int, reduced: Reduced, synchronizers: list,
                    shared_variables: dict, ctx: KernelContext, optimizers: list) -> tuple:
-    """Runs one optimizer call on this node's copies, then each kind's end of the step.
+    """Runs optimizer call ``index`` on this node's copies, then each kind's end of the step.
 
     A split step does the local part (the collectives, their updates, stashing
     gradients for other nodes) in its first run and the traffic to other nodes'
@@ -333,8 +353,13 @@ def _apply_updates(item: GraphItem, call, reduced: Reduced, synchronizers: list,
     Returns:
         (the train op, the op of a split step's second run or None, the variables
         of the foreign updates' optimizer copies, which another node initializes)
+
+    Raises:
+        NotImplementedError: when the update writes state each node keeps (a
+            Keras loss scale) and not every node applies the whole update.
     """
     graph = tf.compat.v1.get_default_graph()
+    call = item.optimizer_calls[index]
 
     def translate(value):
         if value.op.name in item.update_op_names:
@@ -343,6 +368,7 @@ def _apply_updates(item: GraphItem, call, reduced: Reduced, synchronizers: list,
             return shared_variables[value.op.name].read_value()
         return graph.get_tensor_by_name(value.name)
 
+    _check_state_per_node(item, index, ctx)
     updated = {}  # variable name -> the op updating it
 
     def apply(updates, count_step):
@@ -387,6 +413,21 @@ def _apply_updates(item: GraphItem, call, reduced: Reduced, synchronizers: list,
         after = tf.compat.v1.global_variables() + tf.compat.v1.local_variables()
         foreign = {v for v in after if v not in before}
     return train_op, remote_op, foreign
+
+
+def _check_state_per_node(item: GraphItem, index: int, ctx: KernelContext) -> None:
+    """Refuses a cluster strategy under which the nodes' copies of the state the
+    update writes would drift apart: each node keeps its own copy (a Keras model's
+    loss scale, read by its forward pass), so each must apply the whole update."""
+    state = item.update_state[index]
+    if not ctx.state_per_node or not state or not ctx.multi_node or ctx.updates_on_every_node:
+        return
+    raise NotImplementedError(
+        f"AutoDist cannot keep {sorted(state)} in step on every node under this strategy: "
+        "the optimizer's update writes it (a LossScaleOptimizer's loss scale, under mixed "
+        "precision) and every node's model reads it, but the strategy updates some "
+        "variables on one node only (a parameter server's, or a shard's). Use AllReduce "
+        "for every variable on a cluster, or train on one node.")
 
 
 def _reconnect(result: DistributedGraph, deferred: list) -> None:

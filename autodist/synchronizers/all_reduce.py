@@ -47,6 +47,7 @@ class AllReduceSynchronizer(SynchronizerKind):
 
     field = "AllReduceSynchronizer"
     feature_name = "all_reduce"
+    updates_on_every_node = True
 
     @classmethod
     def uses_collectives(cls, config) -> bool:

@@ -294,12 +294,16 @@ class SynchronizerKind:
             join, whatever the config (else it overrides :meth:`uses_collectives`).
         remote_ops: its step runs ops on other nodes' devices, a server's,
             whatever the config (else it overrides :meth:`uses_remote_ops`).
+        updates_on_every_node: on a cluster, every node applies the whole
+            update of a part of this kind (an all-reduce), rather than one node
+            (a parameter server's chief) or each a shard.
     """
 
     field: ClassVar[str]
     feature_name: ClassVar[str]
     collective: ClassVar[bool] = False
     remote_ops: ClassVar[bool] = False
+    updates_on_every_node: ClassVar[bool] = False
 
     @classmethod
     def uses_collectives(cls, config) -> bool:
