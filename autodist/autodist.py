@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 import warnings
 from typing import Callable, Iterator, Optional, Union
 
+import numpy as np
 import tensorflow as tf
 
 from autodist import _keras_compat, _tf_compat
@@ -80,12 +82,14 @@ class AutoDist:
     def __init__(self, resource_spec_file: str,
                  strategy_builder: Union[StrategyBuilder, Strategy, None] = None,
                  trial_hooks: Optional[trial.TrialHooks] = None, accumulation_steps: int = 1):
-        if (isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int)
+        # Any integer type (numpy's too: a count read from a config array), not a bool.
+        if (isinstance(accumulation_steps, (bool, np.bool_))
+                or not isinstance(accumulation_steps, numbers.Integral)
                 or not 1 <= accumulation_steps <= MAX_ACCUMULATION_STEPS):
             raise ValueError(
                 f"AutoDist: accumulation_steps must be an int from 1 to "
                 f"{MAX_ACCUMULATION_STEPS}, not {str(accumulation_steps)[:40]!r}.")
-        self._accumulation_steps = accumulation_steps
+        self._accumulation_steps = int(accumulation_steps)
         self._trial = trial_hooks if trial_hooks is not None else trial.TrialHooks.from_environment()
         self._resource_spec = ResourceSpec(self._trial.resource_spec_file(resource_spec_file))
         if strategy_builder is None:
@@ -97,6 +101,7 @@ class AutoDist:
         self._builder = strategy_builder
         self._role = runtime.current_role(self._resource_spec)
         runtime.check_this_node(self._resource_spec, self._role)
+        self._trial.bind_to_search(self._role.is_chief)
         self._threads = [_threads(name) for name in THREADS_ENV]  # bad counts refused here
         self._optimizer_calls = []
         self._strategy: Optional[Strategy] = None
@@ -189,7 +194,8 @@ class AutoDist:
         return self._open_session(lifted.item)
 
     def _distribute_fit(self, model) -> None:
-        distribute_fit(model, self._open_lifted_session, self._local_replicas)
+        distribute_fit(model, self._open_lifted_session, self._local_replicas,
+                       on_cluster=len(self._resource_spec.nodes) > 1)
 
     def _open_session(self, item: GraphItem, config: Optional[tf.compat.v1.ConfigProto] = None
                       ) -> DistributedSession:
@@ -226,9 +232,9 @@ class AutoDist:
         if self._joined:
             raise NotImplementedError(
                 "On a cluster AutoDist runs one graph per AutoDist instance; this one already "
-                "trains another (a Keras step traced again for data of another structure, "
-                "e.g. train_on_batch after fit, or sample weights in one call only). Feed "
-                "data of one structure.")
+                "trains another (a Keras step traced again: for data of another structure, "
+                "e.g. train_on_batch after fit, or sample weights in one call only, or for a "
+                "model compiled again). Feed data of one structure and compile once.")
         self._joined = True
         if role.is_chief:
             strategy = self._build_strategy(item)
@@ -252,16 +258,16 @@ class AutoDist:
         ctx = self._kernel_context(item, compiled, runtime.tf_devices(spec))
         timer = self._trial.step_timer(role.is_chief)
         if role.is_chief:
-            on_step, stuck_nodes = timer, peer.stuck_nodes
+            on_step, stuck_nodes, check_not_left = timer, peer.stuck_nodes, peer.check_not_left
         else:
             def on_step():
                 peer.step_done()
                 if timer is not None:
                     timer()
-            stuck_nodes = None
+            stuck_nodes = check_not_left = None
         session = DistributedSession(transform(item, compiled, ctx), config=node_config,
                                      target=server.target, monitor=monitor, on_step=on_step,
-                                     stuck_nodes=stuck_nodes)
+                                     stuck_nodes=stuck_nodes, check_not_left=check_not_left)
         if role.is_chief:
             peer.wait_ready(JOIN_TIMEOUT_S)
         else:
@@ -292,7 +298,9 @@ class AutoDist:
                                                  for p in synchronized),
                              has_remote_ops=any(p.kind.uses_remote_ops(p.synchronizer)
                                                 for p in synchronized),
-                             state_per_node=item.state_per_node)
+                             state_per_node=item.state_per_node,
+                             updates_on_every_node=all(p.kind.updates_on_every_node
+                                                       for p in synchronized))
 
     def _config(self, user_config) -> tf.compat.v1.ConfigProto:
         cpus = max(self._resource_spec.node(self._role.address).cpus) + 1

@@ -67,12 +67,16 @@ class DistributedSession:
         stuck_nodes: with a monitor, the nodes still in a step after the given
             number of finished steps; a training run that takes longer than its
             bound (``STUCK_FACTOR``) then raises ``StuckStepError`` naming them.
+        check_not_left: with a monitor, called with the number of finished
+            steps while a training run waits; raises when a node it needs has
+            already left the job (its script ended).
     """
 
     def __init__(self, distributed: DistributedGraph, config=None, target: str = "",
                  init_timeout: float = 120.0, monitor: Optional[Callable[[], None]] = None,
                  on_step: Optional[Callable[[], None]] = None,
-                 stuck_nodes: Optional[Callable[[int], list]] = None):
+                 stuck_nodes: Optional[Callable[[int], list]] = None,
+                 check_not_left: Optional[Callable[[int], None]] = None):
         self._distributed = distributed
         self._graph = distributed.graph
         self._cache = {}
@@ -91,6 +95,7 @@ class DistributedSession:
         self._monitor = monitor
         self._on_step = on_step
         self._stuck_nodes = stuck_nodes
+        self._check_not_left = check_not_left
         self._step_seconds = []  # the latest updating runs' durations
         self._steps_done = 0  # training runs, accumulating ones included
         self._runs_of = [0] * len(distributed.updates)  # per optimizer call, its training runs
@@ -121,6 +126,8 @@ class DistributedSession:
             thread.join(_MONITOR_INTERVAL_S)
             if thread.is_alive():
                 self._monitor()
+                if stuck_after is not None and self._check_not_left is not None:
+                    self._check_not_left(self._steps_done)
                 elapsed = time.monotonic() - started
                 if stuck_after is not None and elapsed > stuck_after:
                     raise StuckStepError(self._steps_done + 1, elapsed, stuck_after,

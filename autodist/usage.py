@@ -10,6 +10,7 @@ and the message and exits with status 2.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Iterator
 
 
@@ -26,3 +27,20 @@ def options_checked() -> Iterator[None]:
         raise
     except ValueError as err:
         raise UsageError(str(err)) from err
+
+
+def check_output_path(path: str, option: str) -> None:
+    """Raises ``ValueError`` when ``path`` could not be written, so that a command
+    says so before its slow part rather than after it.
+
+    Args:
+        option: the option that named it, for the message (``--out``).
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{option} {path} is a directory; give the path of a file.")
+    if not os.path.isdir(directory):
+        raise ValueError(f"{option} {path}: its directory {directory} does not exist.")
+    if not os.access(directory, os.W_OK) or (os.path.exists(path)
+                                             and not os.access(path, os.W_OK)):
+        raise ValueError(f"{option} {path} is not writable.")

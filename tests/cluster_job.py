@@ -154,6 +154,8 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--die-at", type=int, default=-1, help="a worker kills itself at this step")
+    parser.add_argument("--worker-steps", type=int, default=-1,
+                        help="workers run this many steps (as if their data ran out)")
     parser.add_argument("--mismatch", action="store_true", help="workers build another graph")
     parser.add_argument("--restore", help="checkpoint to start from")
     parser.add_argument("--save", help="checkpoint to write after training")
@@ -208,7 +210,8 @@ def main() -> None:
         sess = ad.create_distributed_session()
         if args.restore:
             saver.restore(sess, args.restore)
-        for step in range(args.steps):
+        steps = args.worker_steps if args.worker_steps >= 0 and not ad.is_chief else args.steps
+        for step in range(steps):
             if step == args.die_at and not ad.is_chief:
                 print(f"node {ad.node_index} dies at {time.time():.3f}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)

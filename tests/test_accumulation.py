@@ -151,10 +151,16 @@ def test_a_sparse_gradient_is_kept_sparse(spec_path):
     assert any(n.endswith("/w/accumulate/accumulator") for n in names), names
 
 
-@pytest.mark.parametrize("value", [0, -1, 2.0, True, "2", 1025])
+@pytest.mark.parametrize("value", [0, -1, 2.0, True, np.bool_(True), "2", 1025, np.int64(0)])
 def test_a_bad_accumulation_steps_is_named(spec_path, value):
     with pytest.raises(ValueError, match="accumulation_steps must be an int from 1 to 1024"):
         AutoDist(spec_path, AllReduce(), accumulation_steps=value)
+
+
+@pytest.mark.parametrize("value", [np.int64(2), np.int32(2)])
+def test_a_numpy_integer_is_an_accumulation_count(spec_path, value):
+    ad = AutoDist(spec_path, AllReduce(), accumulation_steps=value)
+    assert ad._accumulation_steps == 2 and type(ad._accumulation_steps) is int
 
 
 # ----------------------------------------------------------------------------- Keras

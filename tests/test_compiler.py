@@ -1,6 +1,7 @@
 """compile_strategy: the checks that run before any graph rewrite."""
 import pytest
 
+from autodist.resource_spec import ResourceSpec
 from autodist.strategy import AllReduce, PartitionedPS, Strategy, StrategyError
 from autodist.strategy.compiler import compile_strategy
 from test_builders import GRAPH, ONE_NODE, THREE_NODES
@@ -22,6 +23,18 @@ def test_a_device_outside_the_spec_is_named():
     node.PSSynchronizer.reduction_destination = "elsewhere:CPU:0"
     with pytest.raises(StrategyError, match="reduction_destination 'elsewhere:CPU:0'"):
         compile_strategy(strategy, GRAPH, ONE_NODE)
+
+
+def test_a_strategy_built_for_fewer_nodes_is_named():
+    """Reused on a spec with a node more, a strategy would leave that node no replica."""
+    two_nodes = ResourceSpec.from_dict({"nodes": [
+        {"address": "10.0.0.1", "cpus": [0, 1], "chief": True},
+        {"address": "10.0.0.2", "cpus": [0]}]})
+    strategy = AllReduce().build(GRAPH, two_nodes)
+    with pytest.raises(StrategyError, match=r"has no replica on \['10.0.0.3:CPU:0', "
+                                            r"'10.0.0.3:CPU:1', '10.0.0.3:CPU:2'\].*built for "
+                                            r"another cluster"):
+        compile_strategy(strategy, GRAPH, THREE_NODES)
 
 
 def test_a_synchronous_variable_with_a_staleness_bound_is_refused():

@@ -4,6 +4,7 @@ The root tests build real namespaces (cluster names ``adtest*``, so a user's
 ``ad`` cluster is never touched) and always remove them, even on failure.
 """
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -185,9 +186,15 @@ def test_namespaces_addresses_and_hosts_files(cluster):
         assert "UP" in _in(host, "ip", "link", "show", "lo").stdout
         resolved = _in(host, "getent", "hosts", "h3").stdout.split()
         assert resolved[:2] == ["10.123.0.3", "h3"]
-    # Nothing of the cluster appears in the root namespace.
+    # Nothing of the cluster appears in the root namespace: not its subnet, and none of
+    # its interfaces, known by their MAC addresses (the host may have a "br0" of its own).
     assert "10.123.0" not in subprocess.run(["ip", "route"], capture_output=True, text=True).stdout
-    assert "br0" not in subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
+    bridge = subprocess.run(["ip", "-n", cluster.bridge_namespace, "-o", "link"],
+                            capture_output=True, text=True, check=True).stdout
+    macs = set(re.findall(r"link/ether ([0-9a-f:]{17})", bridge))
+    assert len(macs) >= len(cluster.hosts)  # its ports (the bridge takes one of their MACs)
+    root = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert not macs & set(re.findall(r"link/ether ([0-9a-f:]{17})", root))
 
 
 @needs_root

@@ -8,7 +8,10 @@ step's placeholders take).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import re
 import subprocess
 import sys
 
@@ -411,3 +414,172 @@ print("trained")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "trained" in done.stdout
     assert "was changed by setting attribute" not in done.stderr, done.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- ad.function calls
+
+def keyword_step_run(scope, function):
+    """Two steps called with keyword arguments, as a ``tf.function`` may be."""
+    x, y = data()
+    keras.utils.set_random_seed(6)
+    with scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        optimizer = keras.optimizers.SGD(0.1)
+
+    @function
+    def train(features, targets, weight=1.0):
+        with tf.GradientTape() as tape:
+            loss = weight * keras.ops.mean(keras.ops.square(model(features) - targets))
+        optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+        return loss
+
+    losses = [float(train(x[:BATCH], targets=y[:BATCH])),
+              float(train(targets=y[BATCH:2 * BATCH], features=x[BATCH:2 * BATCH], weight=0.5))]
+    return losses, model.get_weights(), train
+
+
+def test_ad_function_binds_keyword_arguments_as_tf_function_does(spec_path):
+    want_losses, want_weights, _ = keyword_step_run(contextlib.nullcontext, tf.function)
+    ad = AutoDist(resource_spec_file=spec_path, strategy_builder=AllReduce())
+    losses, weights, train = keyword_step_run(ad.scope, ad.function)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for got, want in zip(weights, want_weights):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    x, _ = data()
+    with pytest.raises(TypeError, match=r"^train\(\): missing a required argument: 'targets'"):
+        train(features=x[:BATCH])
+
+
+def test_ad_function_names_a_keyword_only_parameter(spec_path):
+    ad = AutoDist(resource_spec_file=spec_path, strategy_builder=AllReduce())
+
+    @ad.function
+    def train(features, *, targets):
+        return features + targets
+
+    with pytest.raises(TypeError, match=r"arguments of train by position, but \['targets'\] "
+                                        r"are keyword-only"):
+        train(np.ones((2, 1), np.float32), targets=np.ones((2, 1), np.float32))
+
+
+# ----------------------------------------------------------------------------- compile again
+
+def test_compiling_again_outside_the_scope_trains_with_the_new_optimizer_and_loss(spec_path):
+    """A second ``compile`` after a first ``fit`` need not be inside ``ad.scope()``."""
+    x, y = data()
+    runs = []
+    for distributed in (False, True):
+        if distributed:
+            ad = AutoDist(resource_spec_file=spec_path, strategy_builder=AllReduce())
+            with ad.scope():
+                model = mlp(keras.optimizers.SGD(0.05))
+        else:
+            model = mlp(keras.optimizers.SGD(0.05))
+        first = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mae")
+        second = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        runs.append((snapshot(model, model.optimizer, second.history), first.history))
+    (want, want_first), (got, got_first) = runs
+    np.testing.assert_allclose(got_first["loss"], want_first["loss"], rtol=1e-5)
+    assert_same(got, want, "fit, compile(Adam, 'mae') outside the scope, fit")
+    assert want.history["loss"][0] > 0.1  # the mean absolute error, not 0.0
+
+
+# ----------------------------------------------------------------------------- nodes agree
+
+def lifted_fit_step(optimizer, loss_weight: float = 0.2, seed: int = 1):
+    """The lifted ``train_step`` of a two-output model, as a node of a job builds it."""
+    from autodist.keras import step
+    keras.utils.clear_session()  # each node names its layers in a fresh process
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, activation="relu", name="hidden")(inputs)
+    model = keras.Model(inputs, [keras.layers.Dense(1, name="a")(hidden),
+                                 keras.layers.Dense(1, name="b")(hidden)], name="two_heads")
+    model.compile(optimizer=optimizer, loss=["mse", "mse"], loss_weights=[1.0, loss_weight])
+    x, y = data()
+    model.fit(x, (y, y), batch_size=BATCH, verbose=0)  # builds the optimizer
+    return step.lift_step(step.trace_step(model.train_step, ((x, (y, y)),), autograph=False))
+
+
+def test_nodes_compiled_with_other_settings_are_named_by_the_fingerprint():
+    """A node's fingerprint is its graph's structure, then its training settings. In one
+    process the traced functions' names differ from trace to trace (in a job each node
+    traces once, in its own process), so this test compares the settings alone."""
+    from autodist.cluster.service import FingerprintMismatchError
+    # Named as a fresh process would name them: the settings' keys are op names.
+    adam = functools.partial(keras.optimizers.Adam, name="adam")
+    chief = lifted_fit_step(adam(0.01)).item.fingerprint
+    structure, settings = chief.split("|", 1)
+    # Other initial weights come from the chief: the same settings.
+    assert lifted_fit_step(keras.optimizers.Adam(0.01), seed=2).item.fingerprint.split(
+        "|", 1)[1] == settings
+    other_rate = lifted_fit_step(keras.optimizers.Adam(0.02)).item.fingerprint
+    other_weight = lifted_fit_step(keras.optimizers.Adam(0.01), loss_weight=0.5).item.fingerprint
+    for worker, differs in ((other_rate, r"optimizer_0:adam/learning_rate differ"),
+                            (other_weight, r"constants differ")):
+        worker = f"{structure}|{worker.split('|', 1)[1]}"
+        message = str(FingerprintMismatchError("10.0.0.2", worker, chief))
+        assert re.search(rf"'10.0.0.2' builds the chief's graph but trains with other "
+                         rf"settings: {differs}", message), message
+
+
+@pytest.mark.parametrize("callback, decision", [
+    (keras.callbacks.EarlyStopping(monitor="loss", patience=1), "stops training"),
+    (keras.callbacks.ReduceLROnPlateau(monitor="loss"), "sets the learning rate"),
+])
+def test_a_callback_deciding_from_a_nodes_logs_is_refused_on_a_cluster(callback, decision):
+    """Each node logs its own rows' metrics: one node would stop, or change its learning
+    rate, and not another."""
+    from autodist.keras.fit import distribute_fit
+    model = mlp(keras.optimizers.SGD(0.05))
+    distribute_fit(model, lambda lifted: pytest.fail("no step may run"), replicas=1,
+                   on_cluster=True)
+    x, y = data()
+    with pytest.raises(NotImplementedError, match=rf"{type(callback).__name__} "
+                                                  rf"\(monitor='loss'\) would decide per node: "
+                                                  rf"it {decision}"):
+        model.fit(x, y, batch_size=BATCH, callbacks=[callback], verbose=0)
+
+
+# ----------------------------------------------------------------------------- saves
+
+SAVES_FOREVER = """
+import sys
+import keras
+from autodist import AutoDist
+ad = AutoDist(sys.argv[1])
+with ad.scope():
+    model = keras.Sequential([keras.Input((1024,)), keras.layers.Dense(4096),
+                              keras.layers.Dense(4096)])  # 84 MB of weights
+    model.compile(optimizer="sgd", loss="mse")
+while True:
+    model.save_weights(sys.argv[2])
+    print("saved", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_save_cut_by_sigkill_leaves_the_previous_file_whole(spec_path, tmp_path):
+    """``save_weights`` (and so ``ModelCheckpoint``) writes aside and renames."""
+    import time
+    path = tmp_path / "model.weights.h5"
+    job = subprocess.Popen([sys.executable, "-c", SAVES_FOREVER, spec_path, str(path)],
+                           stdout=subprocess.PIPE, text=True,
+                           env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    try:
+        assert job.stdout.readline().strip() == "saved"
+        started = time.monotonic()
+        assert job.stdout.readline().strip() == "saved"
+        seconds = time.monotonic() - started  # one save
+        assert job.stdout.readline().strip() == "saved"
+        time.sleep(seconds / 2)  # in the middle of the next one
+        job.kill()
+        job.wait()
+    finally:
+        if job.poll() is None:
+            job.kill()
+    model = keras.Sequential([keras.Input((1024,)), keras.layers.Dense(4096),
+                              keras.layers.Dense(4096)])
+    model.load_weights(str(path))  # whole: a cut file would not load
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == [path.name]

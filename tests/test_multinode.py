@@ -6,6 +6,7 @@ chief launches the workers through their launch prefixes.
 import glob
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,10 +15,12 @@ import time
 
 import numpy as np
 import pytest
+import yaml
 
 import cluster_job
 import clusters
 import test_several_optimizers
+from autodist.cluster import emulate
 from autodist.strategy import BUILDERS
 
 pytestmark = [pytest.mark.multinode, clusters.needs_root]
@@ -441,3 +444,85 @@ def test_a_chief_killed_outright_takes_its_workers_with_it(two_nodes, tmp_path):
     _signal_chief_while_training(*two_nodes, tmp_path, "PS", signal.SIGKILL)
     time.sleep(2)  # well below the 30 s after which an orphan notices the silent chief
     _assert_no_job_left()
+
+
+OUTSIDER = """
+import socket, sys
+import tensorflow as tf
+chief, worker, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+for address in (chief, worker):
+    try:
+        socket.create_connection((address, port), timeout=5).close()
+        print("connected", address)
+    except OSError as err:
+        print("refused", address, type(err).__name__)
+config = tf.compat.v1.ConfigProto(operation_timeout_in_ms=10000)
+try:
+    with tf.compat.v1.Session(f"grpc://{chief}:{port}", config=config) as session:
+        with tf.device("/job:worker/task:0"):
+            session.run(tf.constant(1.0))
+    print("session ran")
+except tf.errors.OpError as err:
+    print("session failed", type(err).__name__)
+"""
+
+
+def _rules_of_the_job(host) -> list:
+    """The lines of a host's packet-filter rules that AutoDist set."""
+    rules = subprocess.run([*host.launch_prefix, "iptables", "-S"], capture_output=True,
+                           text=True).stdout
+    return [line for line in rules.splitlines() if "AUTODIST-" in line]
+
+
+@pytest.mark.timeout(180)
+def test_a_node_that_runs_out_of_data_is_named(two_nodes, tmp_path):
+    """The worker ends after 2 steps of 6: the chief names it at once, not as a stuck step."""
+    cluster, spec = two_nodes
+    started = time.monotonic()
+    done = _run_job(cluster, spec, "AllReduce", tmp_path / "v.npz", "--steps", "6",
+                    "--worker-steps", "2")
+    assert done.returncode != 0
+    worker = cluster.hosts[1].address
+    assert (f"NodeLeftError: AutoDist: node '{worker}' finished its script after 2 training "
+            "steps, while the chief waits for it in step 3") in done.stderr, done.stderr[-2000:]
+    assert "StuckStepError" not in done.stderr
+    assert time.monotonic() - started < 60  # not the stuck-step bound of the first steps
+    _assert_no_job_left()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not shutil.which("iptables"), reason="iptables is not installed")
+def test_only_the_jobs_nodes_reach_its_tensorflow_servers(three_nodes, tmp_path):
+    """A host on the job's network but not in its spec cannot open a session to any of
+    the job's TensorFlow servers while it trains; a kill -9 of the chief leaves no rule."""
+    cluster, _ = three_nodes
+    job_hosts, outsider = cluster.hosts[:2], cluster.hosts[2]
+    spec = tmp_path / "two_of_three.yml"
+    nodes = emulate.spec_dict(cluster)["nodes"][:2]
+    spec.write_text(yaml.safe_dump({"nodes": nodes}))
+    seen = {}
+
+    def while_training():
+        for host in job_hosts:
+            seen[host.address] = _rules_of_the_job(host)
+        seen["outsider"] = subprocess.run(
+            [*outsider.launch_prefix, sys.executable, "-c", OUTSIDER, job_hosts[0].address,
+             job_hosts[1].address, "15470"], capture_output=True, text=True, timeout=90,
+            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")).stdout
+
+    _signal_chief_while_training(cluster, str(spec), tmp_path, "AllReduce", signal.SIGKILL,
+                                 while_training=while_training)
+    for host in job_hosts:
+        assert any(line.startswith("-A INPUT -p tcp -m tcp --dport 15470 -j AUTODIST-15470-")
+                   for line in seen[host.address]), seen[host.address]
+        assert f"-s {host.address}/32 -j ACCEPT" in " ".join(seen[job_hosts[0].address])
+    for address in (job_hosts[0].address, job_hosts[1].address):
+        assert f"refused {address} ConnectionRefusedError" in seen["outsider"], seen["outsider"]
+    assert "session failed" in seen["outsider"] and "session ran" not in seen["outsider"]
+    # The chief's guardian, and the workers', remove their rules once their node is gone.
+    deadline = time.monotonic() + 10
+    while any(_rules_of_the_job(h) for h in job_hosts) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_rules_of_the_job(h) for h in job_hosts)
+    _assert_no_job_left()
+    assert not clusters.processes_running("autodist/cluster/firewall.py")

@@ -1,4 +1,5 @@
 """What AutoDist(...) refuses about this node and its environment, before anything starts."""
+import socket
 import time
 
 import pytest
@@ -138,3 +139,23 @@ def test_a_nodes_process_wide_handlers_are_restored_after_its_job():
     hooks.restore()
     hooks.restore()  # a second call, e.g. at exit after an error's shutdown, changes nothing
     assert (sys.excepthook, signal.getsignal(signal.SIGTERM)) == before
+
+
+def test_a_second_job_in_the_process_that_runs_a_server_is_named(monkeypatch):
+    """A TensorFlow server lives as long as its process: the message says so, and not
+    that another program holds the port."""
+    import tensorflow as tf
+    from autodist.resource_spec import ResourceSpec
+    with socket.socket() as probe:
+        probe.bind(("localhost", 0))
+        port = probe.getsockname()[1]
+    server = tf.distribute.Server(tf.train.ClusterSpec({"probe": [f"localhost:{port}"]}),
+                                  job_name="probe", task_index=0, start=True)
+    monkeypatch.setenv(runtime.TF_PORT_ENV, str(port))
+    spec = ResourceSpec.from_dict({"nodes": [{"address": "localhost", "chief": True},
+                                             {"address": "10.123.0.9"}]})
+    with pytest.raises(RuntimeError, match=rf"this process already runs one on port {port}.*"
+                                           r"start the next job in a new process"):
+        runtime.start_tf_server(spec, runtime.NodeRole(address="localhost", is_chief=True, task_index=0),
+                                tf.compat.v1.ConfigProto())
+    del server

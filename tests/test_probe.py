@@ -127,6 +127,10 @@ def test_cli_reports_failures_on_one_line(tmp_path, capsys):
     ("--pings", "1001", "pings is 1001, but it must be an integer from 1 to 1000."),
     ("--timeout", "-1", "timeout is -1.0, but it must be a positive, finite number of seconds."),
     ("--timeout", "inf", "timeout is inf, but it must be a positive, finite number of seconds."),
+    # The outputs are checked before any node is measured, not after.
+    ("--out", "/nonexistent/spec.yml",
+     "--out /nonexistent/spec.yml: its directory /nonexistent does not exist."),
+    ("--report", "/", "--report / is a directory; give the path of a file."),
 ])
 def test_cli_refuses_an_option_out_of_range_as_a_usage_error(tmp_path, capsys, option, value, message):
     # A launch route that fails at once: the options are refused before any node is started.

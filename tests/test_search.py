@@ -265,6 +265,10 @@ def test_a_command_names_a_bad_spec_before_running_the_script(tmp_path, capsys, 
     ("explain", "--trial-timeout", "-1", "trial_timeout must be a finite number of seconds > 0, "
                                          "got -1.0."),
     ("explain", "--top", "-1", "top must be an integer >= 0, got -1."),
+    # The strategy's path is checked before the search, not after it.
+    ("search", "--out", "/nonexistent/best.strategy",
+     "--out /nonexistent/best.strategy: its directory /nonexistent does not exist."),
+    ("search", "--out", "/", "--out / is a directory; give the path of a file."),
 ])
 def test_a_command_refuses_a_bad_option_before_running_the_script(tmp_path, capsys, command,
                                                                   option, value, message):
@@ -303,3 +307,30 @@ def test_a_search_stops_when_every_strategy_was_tried():
     result = search.run(lambda s: TrialResult(0.1 + int(s.id[-4:], 16) * 1e-6), trials=60)
     ids = [t.strategy.id for t in result.trials]
     assert 2 < len(ids) < 60 and len(set(ids)) == len(ids)
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_ends_the_search_with_the_best_strategy_so_far(tmp_path):
+    graph, spec = synthetic_graph(6), heterogeneous_cluster()
+    search = StrategySearch(graph, spec, candidates=40, per_round=2)
+    times = iter([0.3, 0.2, 0.25])
+
+    def measure(strategy):
+        try:
+            return TrialResult(next(times))
+        except StopIteration:
+            raise KeyboardInterrupt from None
+
+    result = search.run(measure, trials=10)
+    assert result.interrupted and len(result.trials) == 3
+    assert result.best_seconds == 0.2 and result.best is result.trials[1].strategy
+
+
+def test_ctrl_c_before_any_trial_succeeded_is_not_swallowed():
+    search = StrategySearch(synthetic_graph(4), heterogeneous_cluster(), candidates=20)
+
+    def measure(strategy):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        search.run(measure, trials=4)

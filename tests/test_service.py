@@ -260,3 +260,14 @@ def test_invalid_arguments_are_rejected(token):
         StrategyServer(_strategy(), FINGERPRINT, token, ["w1", "w1"])
     with pytest.raises(ValueError, match="token"):
         StrategyServer(_strategy(), FINGERPRINT, "", ["w1"])
+
+
+def test_a_worker_that_ends_tells_the_chief_how_many_steps_it_ran(make_server, make_client):
+    """So that a chief still training can name a worker that ran out of data."""
+    server = make_server()
+    client = make_client(server.port, "w1")
+    client.fetch_strategy(FINGERPRINT)
+    client.report_ready()
+    client.steps_done = 2
+    client.report_done()
+    assert server.finished_workers() == {"w1": 2}

@@ -4,6 +4,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -13,7 +15,7 @@ from autodist.cluster import runtime
 from autodist.resource_spec import ResourceSpec
 from autodist.strategy import PS, AllReduce, common
 from autodist.search import trial
-from autodist.search.trial import ScriptRunner
+from autodist.search.trial import ClusterBusyError, ScriptRunner
 from autodist.strategy.base import Strategy
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "train_mlp.py")
@@ -266,3 +268,97 @@ def test_trial_hooks_passed_to_autodist_capture_the_graph_and_end_the_job(tmp_pa
     captured = json.loads((tmp_path / "captured.json").read_text())
     assert [v["name"] for v in captured["variables"]] == ["w"]
     assert captured["spec"] == str(spec)
+
+
+HOLDS_THE_LOCK = """
+import sys, time
+from autodist.search.trial import ScriptRunner
+runner = ScriptRunner(["train.py"], sys.argv[1])
+print("holding", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_second_search_on_this_machine_is_refused_naming_the_first(tmp_path, monkeypatch):
+    monkeypatch.setenv(runtime.TF_PORT_ENV, "15961")  # this test's own lock
+    first = subprocess.Popen([sys.executable, "-c", HOLDS_THE_LOCK, str(tmp_path / "first")],
+                             stdout=subprocess.PIPE, text=True,
+                             env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    try:
+        assert first.stdout.readline().strip() == "holding"
+        with pytest.raises(ClusterBusyError, match=rf"Another AutoDist search runs trials from "
+                                                   rf"this machine on TensorFlow port 15961 "
+                                                   rf"\(pid {first.pid}: train.py\)"):
+            ScriptRunner(["mine.py"], str(tmp_path / "second"))
+    finally:
+        first.kill()
+        first.wait()
+    # Its process gone, the lock is free again, whatever ended it.
+    ScriptRunner(["mine.py"], str(tmp_path / "third"))
+
+
+PORT_TAKEN = """
+import sys
+sys.stderr.write("RuntimeError: Node '10.0.0.1' cannot start its TensorFlow server: port 15470 "
+                 "is already in use (Address already in use). Free it or set AUTODIST_TF_PORT.\\n")
+sys.exit(1)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_trial_that_finds_the_cluster_busy_stops_the_search(tmp_path):
+    """Not a failed strategy: the search must not go on and conclude from such trials."""
+    script = tmp_path / "busy.py"
+    script.write_text(PORT_TAKEN)
+    runner = ScriptRunner([str(script)], str(tmp_path / "work"))
+    with pytest.raises(ClusterBusyError, match=r"Trial trial-001 could not start its job "
+                                               r"\(RuntimeError: Node '10.0.0.1' cannot start "
+                                               r"its TensorFlow server"):
+        runner.trial(Strategy(), warmup=1, steps=1)
+
+
+TRIAL_JOB = """
+import os, sys, time
+from autodist import AutoDist
+ad = AutoDist(sys.argv[1])
+with open(sys.argv[2], "w") as pid:
+    pid.write(str(os.getpid()))
+time.sleep(120)
+"""
+SEARCH = """
+import sys
+from autodist.search.trial import ScriptRunner
+from autodist.strategy.base import Strategy
+ScriptRunner(sys.argv[1:4], sys.argv[4], timeout=120).trial(Strategy(), warmup=1, steps=1)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_search_killed_outright_takes_its_trial_with_it(tmp_path, spec_path, monkeypatch):
+    monkeypatch.setenv(runtime.TF_PORT_ENV, "15962")  # this test's own search lock
+    job = tmp_path / "job.py"
+    job.write_text(TRIAL_JOB)
+    pid = tmp_path / "pid"
+    search = subprocess.Popen(
+        [sys.executable, "-c", SEARCH, str(job), spec_path, str(pid), str(tmp_path / "work")],
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid.exists() and pid.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        trial_pid = int(pid.read_text())
+        search.kill()
+        search.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(trial_pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        with pytest.raises(ProcessLookupError):
+            os.kill(trial_pid, 0)
+    finally:
+        if search.poll() is None:
+            search.kill()

@@ -42,7 +42,7 @@ import yaml
 
 from autodist.cluster import launcher
 from autodist.resource_spec import NodeSpec, ResourceSpec
-from autodist.usage import options_checked
+from autodist.usage import check_output_path, options_checked
 
 MODULE = "autodist.cluster.probe"
 MAX_SECONDS = 60.0
@@ -472,6 +472,9 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     with options_checked():
         check_arguments(args.seconds, args.pings, args.timeout)
+        check_output_path(args.out or args.spec, "--out" if args.out else "SPEC")
+        if args.report:
+            check_output_path(args.report, "--report")
     spec = ResourceSpec(args.spec)
     measurements = probe(spec, args.seconds, args.pings, args.timeout)
     updated = measured_spec(spec, measurements)

@@ -22,7 +22,7 @@ from typing import Callable, Optional, Tuple
 
 import tensorflow as tf
 
-from autodist.cluster import launcher
+from autodist.cluster import firewall, launcher
 from autodist.cluster.service import (
     TOKEN_ENV, ServiceError, StrategyClient, StrategyServer, WorkerFailedError, new_token)
 from autodist.resource_spec import ResourceSpec, ResourceSpecError
@@ -194,8 +194,11 @@ def start_tf_server(spec: ResourceSpec, role: NodeRole,
                     config: tf.compat.v1.ConfigProto) -> tf.distribute.Server:
     """Starts this node's TensorFlow server.
 
+    Only the spec's nodes may connect to it (``firewall.protect_tf_port``).
+
     Raises:
-        RuntimeError: naming the address when the port is taken.
+        RuntimeError: naming the address when the port is taken, or when the
+            rules admitting only the spec's nodes could not be set.
     """
     port = tf_port()
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
@@ -204,12 +207,50 @@ def start_tf_server(spec: ResourceSpec, role: NodeRole,
         try:
             probe.bind(("", port))
         except OSError as err:
+            if _listening_in_this_process(port):
+                raise RuntimeError(
+                    f"Node '{role.address}' cannot start its TensorFlow server: this process "
+                    f"already runs one on port {port}, started by an earlier AutoDist on a "
+                    "cluster. TensorFlow cannot stop a server before its process ends, so a "
+                    "process runs one multi-node job: start the next job in a new process.") \
+                    from None
             raise RuntimeError(
                 f"Node '{role.address}' cannot start its TensorFlow server: port {port} is "
                 f"already in use ({err.strerror}). Free it or set {TF_PORT_ENV}.") from None
+    firewall.protect_tf_port(port, spec.node_addresses)
     cluster = tf.train.ClusterSpec({JOB: [f"{a}:{port}" for a in ordered_nodes(spec)]})
     return tf.distribute.Server(cluster, job_name=JOB, task_index=role.task_index,
                                 config=config, start=True)
+
+
+def _listening_in_this_process(port: int) -> bool:
+    """Whether a socket of this process listens on TCP ``port`` (Linux's /proc; False
+    where it cannot tell)."""
+    listening = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table, encoding="ascii") as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            # local address "ADDR:PORT" in hex, state 0A = LISTEN, inode in column 10
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":
+                listening.add(f"socket:[{fields[9]}]")
+    if not listening:
+        return False
+    try:
+        descriptors = os.listdir("/proc/self/fd")
+    except OSError:
+        return False
+    for fd in descriptors:
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") in listening:
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def wait_until_tf_ports_free(spec: ResourceSpec, timeout: float) -> bool:
@@ -361,6 +402,15 @@ class ChiefCoordinator:
         launcher.stop_all(workers)
         self._process_hooks.restore()
 
+    def check_not_left(self, chief_steps_done: int) -> None:
+        """Raises ``NodeLeftError`` when a worker's script ended before the chief's
+        step ``chief_steps_done + 1``, which then waits for it for ever."""
+        left = {node: steps for node, steps in self._server.finished_workers().items()
+                if steps <= chief_steps_done}
+        if left:
+            node = sorted(left)[0]
+            raise NodeLeftError(node, left[node], chief_steps_done + 1)
+
     def stuck_nodes(self, chief_steps_done: int) -> list:
         """The nodes still in the step after the chief's ``chief_steps_done`` (chief first)."""
         done = self._server.steps_done()
@@ -371,6 +421,24 @@ class ChiefCoordinator:
         """An error ends the chief: stop the workers at once, without waiting for them."""
         self._failed = True
         self.shutdown()
+
+
+class NodeLeftError(RuntimeError):
+    """A worker's script ended while the chief still trains: the nodes ran unequal steps.
+
+    Attributes:
+        node: the worker's address.
+        steps: the training steps it ran.
+    """
+
+    def __init__(self, node: str, steps: int, chief_step: int):
+        self.node, self.steps = node, steps
+        super().__init__(
+            f"AutoDist: node {node!r} finished its script after {steps} training steps, "
+            f"while the chief waits for it in step {chief_step}: it ran out of data, or "
+            "stopped training early (a callback setting stop_training). Every node must run "
+            "the same number of steps: give each node as many batches as the chief "
+            "(e.g. the same steps_per_epoch, or dataset.repeat() and take()).")
 
 
 class WorkerAgent:
@@ -425,11 +493,19 @@ def _die_with_launcher() -> None:
     this they would train on until the heartbeat notices, holding their ports.
     Linux only; elsewhere the heartbeat alone ends orphans.
     """
+    end_with_parent(signal.SIGKILL)
+
+
+def end_with_parent(signum: int) -> None:
+    """Has the kernel send this process ``signum`` when its parent ends (Linux only).
+
+    The process exits at once if its parent ended already.
+    """
     if not sys.platform.startswith("linux"):
         return
     pr_set_pdeathsig = 1
-    ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() == 1:  # the launcher ended before the call above
+    ctypes.CDLL(None).prctl(pr_set_pdeathsig, signum)
+    if os.getppid() == 1:  # the parent ended before the call above
         os._exit(1)
 
 

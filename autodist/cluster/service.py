@@ -56,10 +56,19 @@ class FingerprintMismatchError(ServiceError):
         self.node = node
         self.worker_fingerprint = worker_fingerprint
         self.chief_fingerprint = chief_fingerprint
-        super().__init__(
-            f"Worker node {node!r} has graph fingerprint {worker_fingerprint!r} but the chief "
-            f"has {chief_fingerprint!r}: the worker's graph differs from the chief's. Run the "
-            "same model code, inputs and AutoDist version on every node.")
+        worker, chief = worker_fingerprint.split("|"), chief_fingerprint.split("|")
+        if worker[0] != chief[0] or len(worker) != len(chief):
+            message = (f"Worker node {node!r} has graph fingerprint {worker[0]!r} but the "
+                       f"chief has {chief[0]!r}: the worker's graph differs from the chief's. "
+                       "Run the same model code, inputs and AutoDist version on every node.")
+        else:
+            differ = [w.split("=")[0] for w, c in zip(worker[1:], chief[1:]) if w != c]
+            message = (f"Worker node {node!r} builds the chief's graph but trains with other "
+                       f"settings: {', '.join(differ)} differ (the optimizer's hyperparameters "
+                       "by name; constants: a loss weight, a rate or another scalar of the "
+                       "step). Compile the model and the optimizer with the same arguments on "
+                       "every node.")
+        super().__init__(message)
 
     def __reduce__(self):
         return type(self), (self.node, self.worker_fingerprint, self.chief_fingerprint)
@@ -338,6 +347,12 @@ class StrategyServer:
         with self._registry.changed:
             return {node: state.steps_done for node, state in self._registry.nodes.items()}
 
+    def finished_workers(self) -> dict:
+        """Worker -> its training steps, for the workers whose script has ended normally."""
+        with self._registry.changed:
+            return {node: state.steps_done for node, state in self._registry.nodes.items()
+                    if state.status == _Status.DONE}
+
     def check_workers(self) -> None:
         """Raises if a worker failed or went silent; cheap, meant to run between steps.
 
@@ -484,6 +499,9 @@ class StrategyClient:
             ServiceError: if the chief is unreachable or refuses the call.
         """
         self._end_heartbeat()
+        # The steps it finished, so that the chief can tell whether it left early.
+        self._call("Heartbeat", service_pb2.HeartbeatRequest(
+            node=self._node, steps_done=self.steps_done), timeout=2.0, wait_for_ready=False)
         self._report(_Status.DONE, wait_for_ready=False)
 
     def start_heartbeat(self, interval: float = 2.0,
@@ -531,7 +549,7 @@ class StrategyClient:
 
     def wait_until_chief_gone(self, poll: float = 0.5) -> None:
         """Returns once the chief's service stops answering (its job is over)."""
-        request = service_pb2.HeartbeatRequest(node=self._node)
+        request = service_pb2.HeartbeatRequest(node=self._node, steps_done=self.steps_done)
         while True:
             try:
                 self._call("Heartbeat", request, timeout=max(poll, 1.0), wait_for_ready=False)

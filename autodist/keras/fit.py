@@ -17,6 +17,7 @@ from typing import Callable, Optional
 import keras
 
 from autodist import _keras_compat
+from autodist.keras import saving
 from autodist.keras.function import DistributedStep
 from autodist.keras.step import LiftedStep, StepCache
 from autodist.session import DistributedSession
@@ -50,6 +51,35 @@ def check_distributable(model: keras.Model) -> None:
                 "with its own batch's statistics, so use synchronized=False.")
 
 
+# Callbacks that decide from the logs, which on a cluster are each node's own rows'.
+_PER_NODE_DECISIONS = {
+    keras.callbacks.EarlyStopping: "stops training",
+    keras.callbacks.ReduceLROnPlateau: "sets the learning rate",
+}
+
+
+def check_callbacks(callbacks: list) -> None:
+    """Refuses, on a cluster, callbacks whose decision would differ from node to node.
+
+    Each node logs the metrics of its own rows, so such a callback would stop
+    one node and not another (which then waits for it for ever), or train the
+    nodes' copies of the weights with different learning rates.
+
+    Raises:
+        NotImplementedError: naming the callback.
+    """
+    for callback in callbacks:
+        for kind, decision in _PER_NODE_DECISIONS.items():
+            if isinstance(callback, kind):
+                raise NotImplementedError(
+                    f"On a cluster each node logs the metrics of its own rows, so "
+                    f"{type(callback).__name__} (monitor={callback.monitor!r}) would decide "
+                    f"per node: it {decision} from this node's logs only, and the nodes "
+                    "would train apart. Use a fixed number of epochs or a schedule "
+                    "(LearningRateScheduler, a learning-rate schedule) on a cluster, or "
+                    "train on one node.")
+
+
 class _FitRunner:
     """Runs ``fit``'s steps through AutoDist and keeps the model in sync with them.
 
@@ -64,14 +94,15 @@ class _FitRunner:
     """
 
     def __init__(self, model: keras.Model,
-                 open_session: Callable[[LiftedStep], DistributedSession], replicas: int):
+                 open_session: Callable[[LiftedStep], DistributedSession], replicas: int,
+                 on_cluster: bool):
         self._model = model
+        self._on_cluster = on_cluster
+        self._open_session = open_session
+        self._replicas = replicas
         self._step: Optional[DistributedStep] = None  # the step that ran last
-        # One step per structure of the data (see StepCache); traced without
-        # autograph, as Keras traces train_step.
-        self._steps = StepCache(model.train_step, replicas,
-                                lambda lifted: DistributedStep(lifted, open_session(lifted)),
-                                autograph=False)
+        self._compiled = _keras_compat.compile_state(model)  # what the steps were traced for
+        self._steps = self._new_steps()
         self._stale = False  # trained values not yet copied into the model
         self._slots_stale = False  # the optimizer's slots not yet copied
         self._in_fit = False  # else a step is train_on_batch's, copied back at once
@@ -80,11 +111,21 @@ class _FitRunner:
     def step(self) -> Optional[DistributedStep]:
         return self._step
 
+    def _new_steps(self) -> StepCache:
+        """Steps for the model as compiled now: one per structure of the data (see
+        ``StepCache``), traced without autograph, as Keras traces ``train_step``."""
+        return StepCache(self._model.train_step, self._replicas,
+                         lambda lifted: DistributedStep(lifted, self._open_session(lifted)),
+                         autograph=False)
+
     def fit(self, *args, **kwargs):
         """``model.fit``, with a callback that copies the trained values back first."""
         fit = type(self._model).fit
         bound = inspect.signature(fit).bind(self._model, *args, **kwargs)
         callbacks = bound.arguments.get("callbacks")
+        if self._on_cluster:
+            check_callbacks(callbacks.callbacks if isinstance(
+                callbacks, keras.callbacks.CallbackList) else list(callbacks or []))
         sync = _SyncCallback(self)
         if isinstance(callbacks, keras.callbacks.CallbackList):
             sync.watch(callbacks.callbacks)
@@ -104,6 +145,13 @@ class _FitRunner:
         """What ``fit`` calls before its first epoch: syncs in values Keras code changed."""
         del force
         check_distributable(self._model)
+        if _keras_compat.compile_state(self._model) != self._compiled:
+            # Compiled again outside ad.scope(): train with the new optimizer and loss,
+            # from the values trained so far.
+            if self._step is not None:
+                self.copy_to_model()
+            self._compiled = _keras_compat.compile_state(self._model)
+            self._step, self._steps = None, self._new_steps()
         if self._step is not None:
             self._step.copy_from_eager_if_changed()
         self._model.train_function = self.train_function
@@ -209,16 +257,18 @@ def _acts_per_batch(callback: keras.callbacks.Callback) -> bool:
 
 def distribute_fit(model: keras.Model,
                    open_session: Callable[[LiftedStep], DistributedSession],
-                   replicas: int) -> None:
+                   replicas: int, on_cluster: bool = False) -> None:
     """Makes ``model.fit`` train through AutoDist (called right after ``compile``).
 
     Args:
         model: the model just compiled.
         open_session: opens AutoDist's session on a lifted step's graph.
         replicas: the number of replicas on this node.
+        on_cluster: whether other nodes train the model too (see ``check_callbacks``).
     """
     check_distributable(model)
-    runner = _FitRunner(model, open_session, replicas)
+    saving.save_atomically(model)  # ModelCheckpoint's saves too
+    runner = _FitRunner(model, open_session, replicas, on_cluster)
     # Instance attributes: only this model changes, and Keras looks them up first.
     model.fit = runner.fit
     model.make_train_function = runner.make_train_function

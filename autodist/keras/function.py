@@ -12,6 +12,7 @@ the other way before the next step.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Callable, Optional
 
 import numpy as np
@@ -143,6 +144,7 @@ class DistributedFunction:
     def __init__(self, open_session: Callable[[LiftedStep], DistributedSession], fn: Callable,
                  replicas: int):
         functools.update_wrapper(self, fn)
+        self._signature = inspect.signature(getattr(fn, "python_function", fn))
         self._steps = StepCache(fn, replicas,
                                 lambda lifted: DistributedStep(lifted, open_session(lifted)))
         self._step: Optional[DistributedStep] = None  # the step that ran last
@@ -152,7 +154,9 @@ class DistributedFunction:
         """The distributed step that ran last, once the function has been called."""
         return self._step
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
+        if kwargs:
+            args = self._positional(args, kwargs)
         step = self._steps.find(args)
         if step is None:  # traced for these arguments' structure and dtypes
             step = self._steps.add(args)
@@ -162,6 +166,34 @@ class DistributedFunction:
         outputs = step.run(args)
         step.copy_to_eager()
         return outputs
+
+    def _positional(self, args: tuple, kwargs: dict) -> tuple:
+        """The call's arguments by position, bound as ``tf.function`` binds keywords.
+
+        Raises:
+            TypeError: when they do not fit the step's signature, or name a
+                keyword-only parameter (the traced step takes positions only).
+        """
+        name = getattr(self, "__name__", "the step")
+        try:
+            bound = self._signature.bind(*args, **kwargs)
+        except TypeError as err:
+            raise TypeError(f"{name}(): {err}") from None
+        parameters = list(self._signature.parameters.values())
+        keyword_only = [p.name for p in parameters if p.name in bound.arguments
+                        and p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD)]
+        if keyword_only:
+            raise TypeError(
+                f"AutoDist passes the arguments of {name} by position, but {keyword_only} "
+                "are keyword-only: make them positional parameters.")
+        positional = [p for p in parameters
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        last = max(i for i, p in enumerate(positional) if p.name in bound.arguments)
+        values = [bound.arguments.get(p.name, p.default)  # defaults fill the gaps
+                  for p in positional[:last + 1]]
+        rest = [bound.arguments[p.name] for p in parameters
+                if p.kind == p.VAR_POSITIONAL and p.name in bound.arguments]
+        return tuple(values) + (tuple(rest[0]) if rest else ())
 
 
 def _as_numpy(value):

@@ -122,7 +122,12 @@ class AutoStrategy(StrategyBuilder):
         argv = [os.path.abspath(sys.argv[0]), *sys.argv[1:]]
         runner = ScriptRunner(argv, os.path.join(self.settings.log_dir, "trials"),
                               spec_path=resource_spec.source, timeout=self.settings.trial_timeout)
-        return search_strategy(graph_item, resource_spec, runner, self.settings).best
+        result = search_strategy(graph_item, resource_spec, runner, self.settings)
+        if result.interrupted:  # saved, then the script stops as Ctrl-C asks
+            print(f"Search interrupted: the best strategy so far is saved in "
+                  f"{self.settings.log_dir}/best.strategy.", flush=True)
+            raise KeyboardInterrupt
+        return result.best
 
 
 def search_strategy(graph: Any, resource_spec: ResourceSpec, runner: Optional[ScriptRunner],

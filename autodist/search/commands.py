@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from autodist.usage import options_checked
+from autodist.usage import check_output_path, options_checked
 
 
 def _runner(args: argparse.Namespace, workdir: str):
@@ -37,6 +37,7 @@ def _search(args: argparse.Namespace) -> int:
                                   warmup=args.warmup, steps=args.steps,
                                   trial_timeout=args.trial_timeout, log_dir=args.log_dir,
                                   seed=args.seed, min_timed_seconds=args.min_timed_seconds)
+        check_output_path(args.out, "--out")
     runner = _runner(args, os.path.join(args.log_dir, "trials"))
     print(f"Reading the graph of {args.script} ...", flush=True)
     captured = runner.capture()
@@ -46,6 +47,8 @@ def _search(args: argparse.Namespace) -> int:
     result = search_strategy(captured, spec, runner, settings)
     path = result.best.save(args.out)
     print()
+    if result.interrupted:
+        print(f"Interrupted (Ctrl-C) after {len(result.trials)} trials; the best so far:")
     if result.best_seconds is not None:
         line = f"Best: {result.best.id}, {1e3 * result.best_seconds:.1f} ms per step"
         if result.baseline_seconds:

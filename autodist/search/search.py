@@ -98,6 +98,7 @@ class SearchResult:
     simulator: RankingSimulator
     calibration: Calibration = dataclasses.field(default_factory=Calibration)
     plot_path: Optional[str] = None  # search.png, once drawn
+    interrupted: bool = False  # Ctrl-C ended it early: ``best`` is the best so far
 
     @property
     def hit_rate(self) -> Optional[float]:
@@ -179,8 +180,13 @@ class StrategySearch:
                 (but at least one).
             on_trial: called after every trial (progress, logs).
 
+        Returns:
+            the result; after a Ctrl-C (``KeyboardInterrupt``) once a trial has
+            succeeded, the best so far, marked ``interrupted``.
+
         Raises:
             RuntimeError: when every trial failed.
+            KeyboardInterrupt: on a Ctrl-C before any trial succeeded.
         """
         records: List[TrialRecord] = []
         result = SearchResult(None, None, records, None, self.simulator, self.calibration)
@@ -194,6 +200,21 @@ class StrategySearch:
             if on_trial is not None:
                 on_trial(entry, result)
 
+        try:
+            self._run_trials(record, records, trials, builders)
+        except KeyboardInterrupt:
+            if result.best is None:
+                raise
+            result.interrupted = True
+        result.calibration = self.calibration
+        if result.best is None:
+            raise RuntimeError(f"Every one of the {len(records)} trials failed; the first: "
+                               f"{records[0].result.error if records else 'none ran'}")
+        return result
+
+    def _run_trials(self, record: Callable, records: List[TrialRecord], trials: int,
+                    builders: Optional[dict]) -> None:
+        """The builders' trials, then the search's rounds, until ``trials`` ran."""
         # The builders the cost model likes best open, within half the budget.
         seeds = sorted(((self.features(s), name, s) for name, s in (builders or {}).items()),
                        key=lambda seed: cost_model_seconds(seed[0]))
@@ -210,11 +231,6 @@ class StrategySearch:
             for strategy, source, score, features in picks:
                 record(strategy, source, score, features)
             self._retrain(records)
-        result.calibration = self.calibration
-        if result.best is None:
-            raise RuntimeError(f"Every one of the {len(records)} trials failed; the first: "
-                               f"{records[0].result.error if records else 'none ran'}")
-        return result
 
     def candidates(self, round_index: int, exclude: Collection[str] = ()) -> List[Strategy]:
         """A round's samples, without duplicates and without the strategy ids ``exclude``."""

@@ -19,6 +19,7 @@ rows a step touches, the input pipeline's cost.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import math
 import os
@@ -39,6 +40,8 @@ TRIAL_ENV = "AUTODIST_TRIAL"
 SPEC_ENV = "AUTODIST_RESOURCE_SPEC"   # the spec the search runs the script on
 STOP_GRACE_S = 10.0
 PORTS_FREE_TIMEOUT_S = 60.0
+# What a trial's log says when the cluster is busy with another job: no strategy's fault.
+_BUSY_CLUSTER = ("cannot start its TensorFlow server", "StrategyServer cannot listen")
 # Once a trial has succeeded, a run this many times slower than the slowest
 # success (and slower than the floor) is taken for a hang and stopped.
 HANG_FACTOR, HANG_FLOOR_S = 5.0, 120.0
@@ -150,6 +153,12 @@ class TrialHooks:
     def resource_spec_file(self, script_spec: str) -> str:
         return self.spec_path or script_spec
 
+    def bind_to_search(self, is_chief: bool) -> None:
+        """A search's run ends when the search does, however it ends (a kill -9 too): its
+        chief then gets SIGTERM and stops its workers. Nothing outside a search."""
+        if is_chief and (self.capture or self.trial):
+            runtime.end_with_parent(signal.SIGTERM)
+
     def before_session(self, item: GraphItem, spec_path: str, is_chief: bool) -> None:
         """In a capture run, the chief writes what the search needs of the graph and ends."""
         if self.capture and is_chief:
@@ -219,6 +228,10 @@ class CapturedGraph:
     accumulation_steps: int = 1
 
 
+class ClusterBusyError(RuntimeError):
+    """The cluster is busy with another job: no trial can measure a strategy there."""
+
+
 @dataclasses.dataclass(frozen=True)
 class TrialResult:
     """One trial: seconds per step, or None with the reason it failed."""
@@ -247,11 +260,13 @@ class ScriptRunner:
     Raises:
         ValueError: when ``timeout`` is not a finite number > 0 (at 0 every run
             would be stopped at once and reported as a failure of the script).
+        ClusterBusyError: when another search runs trials from this machine.
     """
 
     def __init__(self, argv: Sequence[str], workdir: str, spec_path: Optional[str] = None,
                  timeout: float = 600.0):
         check_seconds("timeout", timeout)
+        self._lock = _lock_trials(argv)  # held while this runner lives
         self._argv = list(argv)
         self._workdir = workdir
         self._spec_path = spec_path
@@ -297,9 +312,10 @@ class ScriptRunner:
         # A spec gone missing is the script's own error to report, in its log.
         if spec and os.path.isfile(spec) and not runtime.wait_until_tf_ports_free(
                 ResourceSpec(spec), PORTS_FREE_TIMEOUT_S):
-            return TrialResult(None, f"a node of {spec} still listened on the TensorFlow port "
-                                     f"{runtime.tf_port()} after {PORTS_FREE_TIMEOUT_S:.0f} s; "
-                                     "is a previous job still running?")
+            raise ClusterBusyError(
+                f"A node of {spec} still listened on the TensorFlow port {runtime.tf_port()} "
+                f"after {PORTS_FREE_TIMEOUT_S:.0f} s: another job runs on the cluster. The "
+                "search stops rather than measure nothing; run it once that job is over.")
         start = time.monotonic()
         timeout = self._trial_timeout(warmup + steps)
         code, log = self._run({TRIAL_ENV: settings.to_env()}, name, timeout)
@@ -313,6 +329,12 @@ class ScriptRunner:
         if code == 0:
             return TrialResult(None, f"the script ended before {warmup + steps} steps; "
                                      f"see {log}", wall)
+        busy = _busy_cluster_line(log)
+        if busy:
+            raise ClusterBusyError(
+                f"Trial {name} could not start its job ({busy}): another job holds the "
+                f"cluster's ports. The search stops rather than count that against the "
+                f"strategy; see {log}.")
         return TrialResult(None, f"exit code {code}; see {log}", wall)
 
     def _trial_timeout(self, steps: int) -> float:
@@ -343,6 +365,47 @@ class ScriptRunner:
                 # own, which the terminal's SIGINT never reaches: stop it, or it trains on.
                 _stop(process)
                 raise
+
+
+def _busy_cluster_line(log_path: str) -> str:
+    """The line of a failed trial's log saying another job holds the cluster, or ""."""
+    try:
+        with open(log_path, errors="replace") as log:
+            lines = log.read()[-20000:].splitlines()
+    except OSError:
+        return ""
+    return next((line.strip()[:300] for line in reversed(lines)
+                 if any(mark in line for mark in _BUSY_CLUSTER)), "")
+
+
+def _lock_trials(argv: Sequence[str]):
+    """An exclusive lock on this machine's trials for the TensorFlow port in use, or
+    None when this process holds it already; a second search here would take the
+    first one's nodes. The kernel releases it when the search's process ends,
+    however it ends.
+
+    Raises:
+        ClusterBusyError: naming the search that holds it.
+    """
+    path = os.path.join("/tmp", f"autodist-search-{runtime.tf_port()}.lock")
+    lock = open(path, "a+", encoding="utf-8")  # pylint: disable=consider-using-with
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.seek(0)
+        holder = lock.read().strip() or "unknown"
+        lock.close()
+        if holder.startswith(f"pid {os.getpid()}:"):
+            return None  # this process's own search (an AutoStrategy of its script)
+        raise ClusterBusyError(
+            f"Another AutoDist search runs trials from this machine on TensorFlow port "
+            f"{runtime.tf_port()} ({holder}); two searches would take each other's nodes "
+            "and time each other's trials. Wait until it ends, or search on other nodes "
+            f"with another {runtime.TF_PORT_ENV}.") from None
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()}: {' '.join(map(str, argv))[:200]}\n")
+    lock.flush()
+    return lock
 
 
 def _stop(process: subprocess.Popen) -> None:

@@ -66,6 +66,16 @@ def compile_strategy(strategy: Strategy, graph_item: GraphItem,
     if unknown:
         raise StrategyError(f"Strategy {strategy.id} places replicas on {unknown}, which the "
                             f"resource spec does not have (it has {sorted(devices)}).")
+    # Every node runs the script, so each must hold its replicas: a strategy built for a
+    # smaller cluster leaves the others' with nothing to run.
+    missing = [d.name_string() for d in resource_spec.replica_devices
+               if d.name_string() not in replicas]
+    if missing:
+        raise StrategyError(
+            f"Strategy {strategy.id} has no replica on {missing}, which the resource spec "
+            f"{resource_spec.source!r} lists: it was built for another cluster (its replicas "
+            f"are {replicas}). Build a strategy for this spec, or list only the nodes and "
+            "devices it uses.")
     configs = {}
     for node in strategy.node_config:
         if node.var_name in configs:
