@@ -519,10 +519,19 @@ def test_only_the_jobs_nodes_reach_its_tensorflow_servers(three_nodes, tmp_path)
     for address in (job_hosts[0].address, job_hosts[1].address):
         assert f"refused {address} ConnectionRefusedError" in seen["outsider"], seen["outsider"]
     assert "session failed" in seen["outsider"] and "session ran" not in seen["outsider"]
-    # The chief's guardian, and the workers', remove their rules once their node is gone.
+    # The chief's guardian, and the worker's, remove their rules once their node is gone,
+    # and end.
+    chains = {re.search(r"-j (AUTODIST-\S+)", line).group(1)
+              for lines in (seen[h.address] for h in job_hosts) for line in lines
+              if line.startswith("-A INPUT")}
+    assert len(chains) == 2
+
+    def left():
+        return ([h.address for h in job_hosts if _rules_of_the_job(h)]
+                + [p for chain in chains for p in clusters.processes_running(chain)])
+
     deadline = time.monotonic() + 10
-    while any(_rules_of_the_job(h) for h in job_hosts) and time.monotonic() < deadline:
+    while left() and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(_rules_of_the_job(h) for h in job_hosts)
+    assert not left()
     _assert_no_job_left()
-    assert not clusters.processes_running("autodist/cluster/firewall.py")

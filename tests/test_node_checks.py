@@ -159,3 +159,41 @@ def test_a_second_job_in_the_process_that_runs_a_server_is_named(monkeypatch):
         runtime.start_tf_server(spec, runtime.NodeRole(address="localhost", is_chief=True, task_index=0),
                                 tf.compat.v1.ConfigProto())
     del server
+
+
+LISTENS = """
+import socket, sys, time
+listener = socket.socket()
+listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+listener.bind(("", 0))
+listener.listen()
+print(listener.getsockname()[1], flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_port_taken_by_another_job_names_its_process(monkeypatch, tmp_path):
+    """A second job on a node already in use is refused naming the process that holds it."""
+    import subprocess
+    import sys
+    import tensorflow as tf
+    from autodist.resource_spec import ResourceSpec
+    script = tmp_path / "first_job.py"
+    script.write_text(LISTENS)
+    holder = subprocess.Popen([sys.executable, str(script), "--job", "first"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(holder.stdout.readline())
+        monkeypatch.setenv(runtime.TF_PORT_ENV, str(port))
+        spec = ResourceSpec.from_dict({"nodes": [{"address": "localhost", "chief": True},
+                                                 {"address": "10.123.0.9"}]})
+        with pytest.raises(RuntimeError, match=rf"port {port} is held by process {holder.pid} "
+                                               r"\(.*first_job.py --job first\): another job "
+                                               r"runs on this "
+                                               r"node"):
+            runtime.start_tf_server(spec, runtime.NodeRole(address="localhost", is_chief=True,
+                                                           task_index=0),
+                                    tf.compat.v1.ConfigProto())
+    finally:
+        holder.kill()
+        holder.wait()

@@ -207,12 +207,19 @@ def start_tf_server(spec: ResourceSpec, role: NodeRole,
         try:
             probe.bind(("", port))
         except OSError as err:
-            if _listening_in_this_process(port):
+            holder = _listener_of(port)
+            if holder is not None and holder[0] == os.getpid():
                 raise RuntimeError(
                     f"Node '{role.address}' cannot start its TensorFlow server: this process "
                     f"already runs one on port {port}, started by an earlier AutoDist on a "
                     "cluster. TensorFlow cannot stop a server before its process ends, so a "
                     "process runs one multi-node job: start the next job in a new process.") \
+                    from None
+            if holder is not None:
+                raise RuntimeError(
+                    f"Node '{role.address}' cannot start its TensorFlow server: port {port} is "
+                    f"held by process {holder[0]} ({holder[1][:200]}): another job runs on "
+                    f"this node. Wait until it ends, or give this job another {TF_PORT_ENV}.") \
                     from None
             raise RuntimeError(
                 f"Node '{role.address}' cannot start its TensorFlow server: port {port} is "
@@ -223,10 +230,10 @@ def start_tf_server(spec: ResourceSpec, role: NodeRole,
                                 config=config, start=True)
 
 
-def _listening_in_this_process(port: int) -> bool:
-    """Whether a socket of this process listens on TCP ``port`` (Linux's /proc; False
-    where it cannot tell)."""
-    listening = set()
+def _listener_of(port: int) -> Optional[Tuple[int, str]]:
+    """The process listening on TCP ``port``: (its id, its command line), or None where
+    Linux's /proc does not tell (another user's process, another system)."""
+    inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table, encoding="ascii") as f:
@@ -237,20 +244,30 @@ def _listening_in_this_process(port: int) -> bool:
             fields = row.split()
             # local address "ADDR:PORT" in hex, state 0A = LISTEN, inode in column 10
             if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":
-                listening.add(f"socket:[{fields[9]}]")
-    if not listening:
-        return False
+                inodes.add(f"socket:[{fields[9]}]")
+    if not inodes:
+        return None
+    # This process first: a server of its own is the likeliest.
+    pids = [str(os.getpid())] + [p for p in _listdir("/proc") if p.isdigit()]
+    for pid in pids:
+        for fd in _listdir(f"/proc/{pid}/fd"):
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") not in inodes:
+                    continue
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    command = " ".join(f.read().replace(b"\0", b" ").decode(
+                        errors="replace").split())
+            except OSError:
+                continue
+            return int(pid), command
+    return None
+
+
+def _listdir(path: str) -> list:
     try:
-        descriptors = os.listdir("/proc/self/fd")
+        return os.listdir(path)
     except OSError:
-        return False
-    for fd in descriptors:
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}") in listening:
-                return True
-        except OSError:
-            continue
-    return False
+        return []
 
 
 def wait_until_tf_ports_free(spec: ResourceSpec, timeout: float) -> bool:
