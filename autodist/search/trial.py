@@ -26,6 +26,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from typing import List, Optional, Sequence
 
@@ -387,7 +388,7 @@ def _lock_trials(argv: Sequence[str]):
     Raises:
         ClusterBusyError: naming the search that holds it.
     """
-    path = os.path.join("/tmp", f"autodist-search-{runtime.tf_port()}.lock")
+    path = os.path.join(tempfile.gettempdir(), f"autodist-search-{runtime.tf_port()}.lock")
     lock = open(path, "a+", encoding="utf-8")  # pylint: disable=consider-using-with
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
