@@ -196,6 +196,7 @@ class GraphItem:
         self.state_per_node = state_per_node
         self.accumulation_steps = 1
         self.graph_def = graph.as_graph_def()
+        self._nodes = {node.name: node for node in self.graph_def.node}
         # Lookup tables are read-only state: every node initializes its own copy.
         self.table_initializers = tuple(
             op.name for op in graph.get_collection(tf.compat.v1.GraphKeys.TABLE_INITIALIZERS))
@@ -245,7 +246,7 @@ class GraphItem:
 
     def _update_state(self) -> Dict[int, frozenset]:
         """Optimizer call index -> the non-trainable variables its update writes."""
-        nodes = {node.name: node for node in self.graph_def.node}
+        nodes = self._nodes
         others = {v.op.name for v in self.other_variables}
         written = {}
         for index, call in enumerate(self.optimizer_calls):
@@ -254,9 +255,7 @@ class GraphItem:
                 node = nodes.get(name)
                 if node is None or node.op not in RESOURCE_WRITES:
                     continue
-                target = op_name(node.input[0])
-                while nodes[target].op == "Identity":
-                    target = op_name(nodes[target].input[0])
+                target = through_identities(nodes, node.input[0])
                 if target in others:
                     names.add(target)
             written[index] = frozenset(names)
@@ -264,17 +263,10 @@ class GraphItem:
 
     def _read_by_control_flow(self) -> frozenset:
         """Trainable variables whose handle a traced loop or cond takes (an LSTM's kernels)."""
-        nodes = {node.name: node for node in self.graph_def.node}
-
-        def variable_of(name):
-            while name in nodes and nodes[name].op == "Identity":
-                name = op_name(nodes[name].input[0])
-            return name if name in self.variables else None
-
-        return frozenset(
-            variable for node in self.graph_def.node if node.op in FUNCTIONAL_CONTROL_FLOW
-            for inp in node.input if not inp.startswith("^")
-            for variable in [variable_of(op_name(inp))] if variable is not None)
+        sources = {through_identities(self._nodes, inp) for node in self.graph_def.node
+                   if node.op in FUNCTIONAL_CONTROL_FLOW
+                   for inp in node.input if not inp.startswith("^")}
+        return frozenset(sources & set(self.variables))
 
     def _loss_scale_reads(self) -> frozenset:
         scales = {call.loss_scale for call in self.optimizer_calls if call.loss_scale}
@@ -291,7 +283,7 @@ class GraphItem:
         the first layers' after every layer above them. Ties keep the graph's order.
         A while loop's back edges (``NextIteration``) are not followed.
         """
-        nodes = {node.name: node for node in self.graph_def.node}
+        nodes = self._nodes
         position = {name: i for i, name in enumerate(nodes)}
         depth: Dict[str, int] = {}
         visiting = set()
@@ -332,7 +324,7 @@ class GraphItem:
             if name not in downstream:
                 downstream.add(name)
                 todo.extend(consumers.get(name, []))
-        nodes = {node.name: node for node in self.graph_def.node}
+        nodes = self._nodes
         ops, todo = set(), [op_name(n) for ref in applied.values()
                             for n in (ref.values, ref.indices, ref.dense_shape) if n]
         while todo:
@@ -344,7 +336,7 @@ class GraphItem:
         return GradientProcessing(frozenset(ops), raw, applied)
 
     def _classify_ops(self) -> None:
-        nodes = {node.name: node for node in self.graph_def.node}
+        nodes = self._nodes
         update_ops = self.update_op_names
         initializers = {v.initializer.name for v in self._trainables}
         is_initialized = {op.name for v in self._trainables
@@ -451,6 +443,14 @@ class GraphItem:
 
     def is_replicated(self, tensor_or_op_name: str) -> bool:
         return op_name(tensor_or_op_name) in self.replicated
+
+
+def through_identities(nodes: dict, name: str) -> str:
+    """The op behind tensor or op ``name``, past any ``Identity`` ops (within ``nodes``)."""
+    name = op_name(name)
+    while name in nodes and nodes[name].op == "Identity":
+        name = op_name(nodes[name].input[0])
+    return name
 
 
 def op_name(name: str) -> str:

@@ -98,10 +98,11 @@ def gate_writes(graph: tf.Graph, write_names: list, applied_if: tf.Tensor) -> li
             index, keep = _KEEPS[write.type]
             value = write.inputs[index]
             with tf.name_scope(f"{name}_applied_if"):
+                # A scalar identity broadcasts: no variable-sized tensor of zeros per step.
                 if keep == "zero":
-                    unchanged = tf.zeros_like(value)
+                    unchanged = tf.zeros([], value.dtype)
                 elif keep == "one":
-                    unchanged = tf.ones_like(value)
+                    unchanged = tf.ones([], value.dtype)
                 else:
                     unchanged = _held_value(write)
                 _tf_compat.replace_input(write, index, tf.where(applied_if, value, unchanged))

@@ -28,7 +28,8 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
-from autodist.graph_item import RESOURCE_WRITES, PartUpdate, op_name, tensor_name
+from autodist.graph_item import (RESOURCE_WRITES, PartUpdate, op_name, tensor_name,
+                                 through_identities)
 from autodist.kernels import partitioner
 
 # Ops whose result on a part of a variable is not that part of their result on it.
@@ -143,10 +144,7 @@ class KerasOptimizerCall:
 
     def _target(self, write: str) -> str:
         """The variable (op name) a write op writes."""
-        name = op_name(self.nodes[write].input[0])
-        while name in self.nodes and self.nodes[name].op == "Identity":
-            name = op_name(self.nodes[name].input[0])
-        return name
+        return through_identities(self.nodes, self.nodes[write].input[0])
 
     def _ancestors(self, names) -> set:
         """Ops of the update that ``names`` depend on, themselves included.

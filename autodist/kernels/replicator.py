@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from autodist import _tf_compat
 from autodist.graph_item import (FUNCTIONAL_CONTROL_FLOW, KEYED_RANDOM_OPS, GraphItem,
-                                 op_name, tensor_name)
+                                 op_name, tensor_name, through_identities)
 from autodist.kernel_context import KernelContext, replica_scope
 
 _PLACEMENT_ATTRS = ("_class",)
@@ -279,18 +279,12 @@ def _salt_random_keys(graph_def) -> str:
 
 def _increment(nodes: dict, value: str, variable: str) -> Optional[str]:
     """The ``delta`` of a value ``read(variable) + delta``, or None for another value."""
-    def through_identities(name):
-        node = nodes.get(op_name(name))
-        while node is not None and node.op == "Identity":
-            node = nodes.get(op_name(node.input[0]))
-        return node
-
-    node = through_identities(value)
+    node = nodes.get(through_identities(nodes, value))
     if node is None or node.op not in ("AddV2", "Add"):
         return None
     first, second = [i for i in node.input if not i.startswith("^")][:2]
     for read, delta in ((first, second), (second, first)):
-        reader = through_identities(read)
+        reader = nodes.get(through_identities(nodes, read))
         if (reader is not None and reader.op == "ReadVariableOp"
                 and op_name(reader.input[0]) == variable):
             return tensor_name(delta)
