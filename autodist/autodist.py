@@ -15,6 +15,7 @@ from autodist.cluster import runtime
 from autodist.graph_item import GraphItem
 from autodist.keras.fit import distribute_fit
 from autodist.keras.function import DistributedFunction
+from autodist.keras.saving import save_grace
 from autodist.kernel_context import KernelContext
 from autodist.kernels.transformer import transform
 from autodist.resource_spec import DeviceSpec, ResourceSpec
@@ -56,6 +57,9 @@ class AutoDist:
         On a cluster the chief installs process-wide handlers: SIGTERM stops the
         job (status 143) and an uncaught error ends the process right after it is
         printed, having stopped the workers. A worker ends with its chief.
+        Saves of a Keras model compiled in ``ad.scope()`` hold SIGTERM and SIGINT
+        until they finish, for at most ``AUTODIST_SAVE_GRACE_S`` seconds (20);
+        on a cluster only the chief's write a file.
 
     Args:
         resource_spec_file: path of the cluster's YAML resource spec.
@@ -76,7 +80,8 @@ class AutoDist:
         ResourceSpecError: when the spec is missing or invalid.
         TypeError: when ``strategy_builder`` is neither a builder nor a Strategy.
         ValueError: when ``accumulation_steps`` is not an int from 1 to
-            ``MAX_ACCUMULATION_STEPS``.
+            ``MAX_ACCUMULATION_STEPS``, or an ``AUTODIST_*`` variable is set to a
+            bad value.
     """
 
     def __init__(self, resource_spec_file: str,
@@ -103,6 +108,7 @@ class AutoDist:
         runtime.check_this_node(self._resource_spec, self._role)
         self._trial.bind_to_search(self._role.is_chief)
         self._threads = [_threads(name) for name in THREADS_ENV]  # bad counts refused here
+        save_grace()  # a bad value is refused here, not at the first save
         self._optimizer_calls = []
         self._strategy: Optional[Strategy] = None
         self._joined = False  # a cluster job runs one graph
@@ -195,7 +201,8 @@ class AutoDist:
 
     def _distribute_fit(self, model) -> None:
         distribute_fit(model, self._open_lifted_session, self._local_replicas,
-                       on_cluster=len(self._resource_spec.nodes) > 1)
+                       on_cluster=len(self._resource_spec.nodes) > 1,
+                       writes_saves=self.is_chief)
 
     def _open_session(self, item: GraphItem, config: Optional[tf.compat.v1.ConfigProto] = None
                       ) -> DistributedSession:

@@ -157,6 +157,8 @@ class GraphItem:
             them in separate train ops (a GAN's generator and discriminator).
         state_per_node: whether each node of a cluster keeps its own copy of the
             non-trainable variables (see ``KernelContext.state_per_node``).
+        initial_values: placeholder tensor name -> the value to feed it when the
+            variables are initialized: initial values held outside the graph.
 
     Attributes:
         table_initializers: names of the ops initializing the graph's lookup tables.
@@ -183,7 +185,7 @@ class GraphItem:
     """
 
     def __init__(self, graph: tf.Graph, optimizer_calls: Sequence,
-                 state_per_node: bool = False):
+                 state_per_node: bool = False, initial_values: Optional[dict] = None):
         if not optimizer_calls:
             raise ValueError(
                 "AutoDist found no optimizer in the graph: build the model and call a "
@@ -194,6 +196,7 @@ class GraphItem:
         self.update_op_names = frozenset().union(
             *(call.update_op_names for call in self.optimizer_calls))
         self.state_per_node = state_per_node
+        self.initial_values = dict(initial_values or {})
         self.accumulation_steps = 1
         self.graph_def = graph.as_graph_def()
         self._nodes = {node.name: node for node in self.graph_def.node}

@@ -149,7 +149,8 @@ class DistributedSession:
     def _initialize(self, timeout: float) -> None:
         """Initializes this node's variables, on a worker after the chief's."""
         first, copies = self._distributed.init_ops
-        self._session.run(first)
+        feeds = self._initial_value_feeds()
+        self._session.run(first, feed_dict=feeds)
         pending = self._distributed.chief_uninitialized
         deadline = time.monotonic() + timeout
         while pending is not None:
@@ -161,7 +162,18 @@ class DistributedSession:
                     f"The chief did not initialize {len(missing)} variables within "
                     f"{timeout:.0f} s (e.g. {missing[0].decode()}); is it running?")
             time.sleep(0.2)
-        self._session.run(copies)
+        self._session.run(copies, feed_dict=feeds)
+
+    def _initial_value_feeds(self) -> dict:
+        """The initial values the single-device graph holds outside it, for the
+        placeholders of them this node's graph kept."""
+        feeds = {}
+        for name, value in self._distributed.item.initial_values.items():
+            try:
+                feeds[self._graph.get_tensor_by_name(name)] = value
+            except KeyError:  # no variable of this node starts from it
+                continue
+        return feeds
 
     @property
     def graph(self) -> tf.Graph:

@@ -53,6 +53,8 @@ SECTIONS = (
      "autodist-vs-horovod-and-multiworkermirroredstrategy-peers"),
     ("Communication overlapping the backward pass (`overlap`)",
      "communication-overlapping-the-backward-pass-overlap"),
+    ("Start-up and memory vs. the model's bytes (`model_scale`)",
+     "start-up-and-memory-vs-the-models-bytes-model_scale"),
 )
 
 HEADER = "\n".join([

@@ -6,6 +6,7 @@ training must equal single-device ``fit`` on the whole global batch, which
 ``reference`` computes.
 
     python keras_cluster_job.py SPEC BUILDER OUT [--epochs N] [--die-at STEP]
+                                [--checkpoint PATH [--stop-in-save N]]
 """
 import argparse
 import json
@@ -30,14 +31,28 @@ def data(num_replicas: int):
             rng.randn(rows, 5).astype(np.float32), rng.randn(rows, 2).astype(np.float32))
 
 
-def build_model() -> keras.Model:
+class StopsInSave(keras.Model):
+    """Sends its own process SIGTERM in the middle of its ``stop_at``-th weights save."""
+
+    stop_at = 0
+    saves = 0
+
+    def save_weights(self, filepath, *args, **kwargs):
+        StopsInSave.saves += 1
+        if StopsInSave.saves == self.stop_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1.0)  # the signal's handler has run; the save is still to come
+        return super().save_weights(filepath, *args, **kwargs)
+
+
+def build_model(model_class=keras.Model) -> keras.Model:
     """An embedding (sparse gradient) and two dense layers, compiled with Adam."""
     keras.utils.set_random_seed(7)
     ids = keras.Input((3,), dtype="int32")
     x = keras.Input((5,))
     embedded = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(12, 4)(ids))
     hidden = keras.layers.Dense(6, activation="tanh")(keras.layers.Concatenate()([embedded, x]))
-    model = keras.Model([ids, x], keras.layers.Dense(2)(hidden))
+    model = model_class([ids, x], keras.layers.Dense(2)(hidden))
     model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse", metrics=["mae"])
     return model
 
@@ -75,6 +90,9 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--die-at", type=int, default=-1, help="a worker dies at this batch")
+    parser.add_argument("--checkpoint", help="every node saves its weights here each epoch")
+    parser.add_argument("--stop-in-save", type=int, default=0,
+                        help="the chief gets SIGTERM in the middle of this save")
     args = parser.parse_args()
 
     ad = AutoDist(args.spec, get_builder(args.builder))
@@ -89,9 +107,13 @@ def main() -> None:
     rows = np.concatenate([np.arange(b * per_batch + start * ROWS_PER_REPLICA,
                                      b * per_batch + (start + count) * ROWS_PER_REPLICA)
                            for b in range(BATCHES)])
+    StopsInSave.stop_at = args.stop_in_save if ad.is_chief else 0
     with ad.scope():
-        model = build_model()
+        model = build_model(StopsInSave)
     callbacks = [_DieAt(args.die_at)] if args.die_at >= 0 and not ad.is_chief else []
+    if args.checkpoint:
+        callbacks.append(keras.callbacks.ModelCheckpoint(args.checkpoint,
+                                                         save_weights_only=True))
     history = model.fit([ids[rows], x[rows]], y[rows], batch_size=ROWS_PER_REPLICA * count,
                         epochs=args.epochs, shuffle=False, verbose=0, callbacks=callbacks)
     # Each node writes its own file: the nodes' printed lines may interleave.

@@ -835,3 +835,36 @@ def test_a_per_batch_callback_reading_no_weights_costs_no_copy_per_batch(spec_pa
     # The copy at the end of fit still happens.
     for got, expected in zip(model.weights, want.weights):
         np.testing.assert_allclose(got.numpy(), expected.numpy(), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("builder", [AllReduce, PartitionedPS])
+def test_a_steps_graph_holds_no_weight_values_which_initialization_feeds(spec_path, builder):
+    """A 4 MB kernel: the lifted and the distributed GraphDefs stay a few kB, and the
+    session's variables start from the eager values (then train as on one device)."""
+    def build():
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.Input((1024,)), keras.layers.Dense(1024),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        return model
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 1024)).astype("float32")
+    y = rng.normal(size=(16, 1)).astype("float32")
+    single = build()
+    initial = [w.copy() for w in single.get_weights()]
+    single.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    ad = AutoDist(spec_path, builder())
+    with ad.scope():
+        model = build()
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+
+    distributed = model._autodist_fit.step.session.distributed  # pylint: disable=protected-access
+    kernel_bytes = 1024 * 1024 * 4
+    assert distributed.item.graph_def.ByteSize() < kernel_bytes / 100
+    assert distributed.graph.as_graph_def().ByteSize() < kernel_bytes / 16
+    fed = sorted(distributed.item.initial_values.values(), key=np.size)
+    assert [v.shape for v in fed] == [(1024, 1), (1024, 1024)]  # the zero biases: tf.zeros
+    np.testing.assert_array_equal(fed[-1], initial[0])
+    for got, want in zip(model.get_weights(), single.get_weights()):
+        np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)

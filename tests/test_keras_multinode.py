@@ -77,3 +77,30 @@ def test_a_worker_killed_mid_fit_is_reported_by_name(two_nodes, tmp_path):
     worker = cluster.hosts[1].address
     assert f"Worker node '{worker}' failed" in done.stderr, done.stderr[-3000:]
     _assert_no_job_left()
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_during_the_chiefs_checkpoint_lets_it_finish_and_workers_leave_it_to_it(
+        two_nodes, tmp_path):
+    """Every node runs ``ModelCheckpoint`` on one shared path; the chief gets SIGTERM in
+    the middle of its second save. The save finishes, holding epoch 2's weights; then
+    the job stops as SIGTERM stops it. The worker wrote nothing there."""
+    cluster, spec = two_nodes
+    checkpoint = tmp_path / "shared" / "ckpt.weights.h5"
+    checkpoint.parent.mkdir()
+    done = _run_job(cluster, spec, "AllReduce", tmp_path / "w.npz", "--epochs", "3",
+                    "--checkpoint", str(checkpoint), "--stop-in-save", "2")
+    assert done.returncode == 128 + 15, done.stderr[-3000:]
+    assert (f"SIGTERM arrived during the save of '{checkpoint}'; the save finishes first"
+            in done.stderr), done.stderr[-3000:]
+    assert "the chief received SIGTERM; stopped the job" in done.stderr
+    assert (f"AutoDist worker: model.save_weights('{checkpoint}') writes nothing on this "
+            "node" in done.stderr), done.stderr[-3000:]
+    assert [p.name for p in checkpoint.parent.iterdir()] == [checkpoint.name]
+    num_replicas = sum(h.num_cpus for h in cluster.hosts)
+    want, _ = keras_cluster_job.reference(num_replicas, epochs=2)
+    saved = keras_cluster_job.build_model()
+    saved.load_weights(str(checkpoint))
+    for got, expected in zip(saved.get_weights(), want):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    _assert_no_job_left()

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -583,3 +584,84 @@ def test_a_save_cut_by_sigkill_leaves_the_previous_file_whole(spec_path, tmp_pat
                               keras.layers.Dense(4096)])
     model.load_weights(str(path))  # whole: a cut file would not load
     assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == [path.name]
+
+
+SIGNALLED_IN_SAVE = """
+import os, signal, sys, time
+import keras
+import numpy as np
+from autodist import AutoDist
+
+class SignalsInSave(keras.layers.Dense):
+    signum = None  # sent to this process in the middle of the layer's save
+
+    def save_own_variables(self, store):
+        if SignalsInSave.signum is not None:
+            os.kill(os.getpid(), SignalsInSave.signum)
+            time.sleep(float(sys.argv[4]))  # the handler has run; the writes are to come
+        super().save_own_variables(store)
+
+ad = AutoDist(sys.argv[1])
+with ad.scope():
+    model = keras.Sequential([keras.Input((3,)), SignalsInSave(2)])
+    model.compile(optimizer="sgd", loss="mse")
+model.set_weights([np.zeros((3, 2)), np.zeros(2)])
+model.save_weights(sys.argv[2])
+model.set_weights([np.ones((3, 2)), np.ones(2)])
+SignalsInSave.signum = getattr(signal, sys.argv[3])
+print("saving", flush=True)
+model.save_weights(sys.argv[2])
+print("went on after the save", flush=True)
+"""
+
+
+def _signalled_in_save(spec_path, path, signum: str, save_seconds: float, grace: str = ""):
+    """Runs SIGNALLED_IN_SAVE; returns (the process's result, the saved weights)."""
+    done = subprocess.run([sys.executable, "-c", SIGNALLED_IN_SAVE, spec_path, str(path),
+                           signum, str(save_seconds)], capture_output=True, text=True,
+                          timeout=90, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path),
+                                               AUTODIST_SAVE_GRACE_S=grace))
+    # Keras files a layer's weights under its class's name.
+    layer = type("SignalsInSave", (keras.layers.Dense,), {})(2)
+    model = keras.Sequential([keras.Input((3,)), layer])
+    model.load_weights(str(path))  # whole, whichever save it holds
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left
+    return done, model.get_weights()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("signum, code, says", [
+    ("SIGTERM", -signal.SIGTERM, ""),  # no handler: SIGTERM ends the process, after the save
+    ("SIGINT", -signal.SIGINT, "KeyboardInterrupt"),  # Ctrl-C: raised once the save is done
+])
+def test_a_stop_during_a_save_lets_it_finish_first(spec_path, tmp_path, signum, code, says):
+    path = tmp_path / "model.weights.h5"
+    done, weights = _signalled_in_save(spec_path, path, signum, save_seconds=0.5)
+    assert done.returncode == code, done.stderr[-2000:]
+    assert done.stdout.split() == ["saving"]  # stopped right after the save
+    assert (f"AutoDist: {signum} arrived during the save of '{path}'; the save finishes "
+            "first (at most 20 s" in done.stderr), done.stderr[-2000:]
+    assert says in done.stderr
+    assert all((w == 1).all() for w in weights)  # the save in progress, whole
+
+
+@pytest.mark.timeout(120)
+def test_a_save_that_outlasts_its_grace_is_abandoned_keeping_the_previous_file(spec_path,
+                                                                             tmp_path):
+    import time
+    path = tmp_path / "model.weights.h5"
+    started = time.monotonic()
+    done, weights = _signalled_in_save(spec_path, path, "SIGTERM", save_seconds=60, grace="1")
+    assert time.monotonic() - started < 40  # not the save's 60 s
+    assert done.returncode == -signal.SIGTERM, done.stderr[-2000:]
+    assert (f"the save of '{path}' did not finish within 1 s of SIGTERM; stopping without "
+            "it (the previous file is kept)" in done.stderr), done.stderr[-2000:]
+    assert all((w == 0).all() for w in weights)  # the previous save
+
+
+@pytest.mark.parametrize("value", ["soon", "-1", "nan"])
+def test_a_bad_save_grace_is_named_at_start(spec_path, monkeypatch, value):
+    monkeypatch.setenv("AUTODIST_SAVE_GRACE_S", value)
+    with pytest.raises(ValueError, match=rf"AUTODIST_SAVE_GRACE_S='{value}' is not a number "
+                                         rf"of seconds >= 0"):
+        AutoDist(spec_path)

@@ -83,10 +83,13 @@ def check_callbacks(callbacks: list) -> None:
 class _FitRunner:
     """Runs ``fit``'s steps through AutoDist and keeps the model in sync with them.
 
-    Each step copies both ways only the small state: what the forward pass
-    writes (the metrics, for the logs) and the optimizer's scalars (its
-    iteration count and learning rate: a rate a callback sets takes effect at
-    the next step). The trained weights and the optimizer's slots are copied back
+    Each step copies back only the small state: what the forward pass writes
+    (the metrics, for the logs) and the optimizer's scalars (its iteration
+    count and learning rate). It copies in what Keras code changed of the small
+    state (metrics reset at an epoch's start, a learning rate a callback set:
+    it takes effect at the next step) when Keras code ran since the last
+    step: at an epoch's start, or after every batch when a callback has batch
+    hooks. The trained weights and the optimizer's slots are copied back
     whenever Keras code may read them: before validation, at the end of every
     epoch and of ``fit``, and after every batch when a callback acts per batch
     (then the weights, not the slots), unless it says its batch hooks read no
@@ -106,6 +109,7 @@ class _FitRunner:
         self._stale = False  # trained values not yet copied into the model
         self._slots_stale = False  # the optimizer's slots not yet copied
         self._in_fit = False  # else a step is train_on_batch's, copied back at once
+        self._keras_code_ran = True  # since the last step: it may have changed the state
 
     @property
     def step(self) -> Optional[DistributedStep]:
@@ -169,15 +173,20 @@ class _FitRunner:
             else:
                 step.copy_from_eager_if_changed()
             self._step = step
-        else:
+        elif self._keras_code_ran or not self._in_fit:
             # Metrics reset by Keras, a learning rate set by a callback.
             step.copy_from_eager_if_changed(weights=False, slots=False)
+        self._keras_code_ran = False
         outputs = step.run((data,))
         self._stale = self._slots_stale = True
         step.copy_to_eager(weights=False, slots=False)
         if not self._in_fit:
             self.copy_to_model()
         return _logs(outputs, self._model.get_metrics_result())
+
+    def keras_code_runs(self) -> None:
+        """Keras code runs before the next step: it may change the small state."""
+        self._keras_code_ran = True
 
     def copy_to_model(self, slots: bool = True) -> None:
         """Copies the trained weights and optimizer state into the model, if stale.
@@ -224,15 +233,22 @@ class _SyncCallback(keras.callbacks.Callback):
     def __init__(self, runner: _FitRunner):
         super().__init__()
         self._runner = runner
-        self._per_batch = False
+        self._per_batch = False  # a callback may read the weights after a batch
+        self._batch_hooks = False  # a callback's code runs between batches
 
     def watch(self, callbacks: list) -> None:
         """Copies after every batch too if one of ``callbacks`` acts per batch."""
         self._per_batch = any(_acts_per_batch(c) for c in callbacks)
+        self._batch_hooks = any(_has_batch_hooks(c) for c in callbacks)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._runner.keras_code_runs()  # Keras reset the metrics; callbacks follow
 
     def on_train_batch_end(self, batch, logs=None):
         if self._per_batch:
             self._runner.copy_to_model(slots=False)
+        if self._batch_hooks:
+            self._runner.keras_code_runs()
 
     def on_test_begin(self, logs=None):
         self._runner.copy_to_model()  # validation inside fit
@@ -250,6 +266,11 @@ def _acts_per_batch(callback: keras.callbacks.Callback) -> bool:
         return False
     if isinstance(callback, keras.callbacks.ModelCheckpoint):
         return callback.save_freq != "epoch"
+    return _has_batch_hooks(callback)
+
+
+def _has_batch_hooks(callback: keras.callbacks.Callback) -> bool:
+    """Whether ``callback`` runs code between two training batches."""
     hooks = ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end")
     return any(getattr(type(callback), hook) is not getattr(keras.callbacks.Callback, hook)
                for hook in hooks)
@@ -257,7 +278,7 @@ def _acts_per_batch(callback: keras.callbacks.Callback) -> bool:
 
 def distribute_fit(model: keras.Model,
                    open_session: Callable[[LiftedStep], DistributedSession],
-                   replicas: int, on_cluster: bool = False) -> None:
+                   replicas: int, on_cluster: bool = False, writes_saves: bool = True) -> None:
     """Makes ``model.fit`` train through AutoDist (called right after ``compile``).
 
     Args:
@@ -265,9 +286,11 @@ def distribute_fit(model: keras.Model,
         open_session: opens AutoDist's session on a lifted step's graph.
         replicas: the number of replicas on this node.
         on_cluster: whether other nodes train the model too (see ``check_callbacks``).
+        writes_saves: whether this node writes the model's saves: not a cluster's
+            workers (see ``saving.guard_saves``).
     """
     check_distributable(model)
-    saving.save_atomically(model)  # ModelCheckpoint's saves too
+    saving.guard_saves(model, writes_saves)  # ModelCheckpoint's saves too
     runner = _FitRunner(model, open_session, replicas, on_cluster)
     # Instance attributes: only this model changes, and Keras looks them up first.
     model.fit = runner.fit

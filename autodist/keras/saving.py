@@ -1,35 +1,58 @@
-"""Keras saves that a stop cannot cut: written aside, then renamed into place.
+"""Keras saves that a stop cannot cut, written by one node.
 
 ``model.save`` and ``model.save_weights`` of a model compiled inside
-``ad.scope()`` (and so ``ModelCheckpoint``, which calls them) write a
-temporary file beside the target, named after the target, the host and the
-process, and rename it over the target once it is complete. A process stopped
-in the middle (SIGTERM, Ctrl-C, a failed node ending the job, SIGKILL) leaves
-the previous file whole; nodes saving to one shared path each rename a whole
-file of their own, the last one winning.
+``ad.scope()`` (and so ``ModelCheckpoint``, which calls them):
+
+* write a temporary file beside the target, named after the target, the host
+  and the process, and rename it over the target once it is complete. A
+  process killed in the middle (SIGKILL, a lost machine) leaves the previous
+  file whole;
+* hold SIGTERM and SIGINT while they run: the save finishes first, within
+  ``AUTODIST_SAVE_GRACE_S`` seconds (20 by default) of the signal, and the
+  signal then acts as it would have (the chief stops its job, Ctrl-C raises
+  ``KeyboardInterrupt``). A second signal, or the bound running out, stops the
+  process without the save, keeping the previous file;
+* on a cluster, are the chief's alone: a worker's call writes nothing and says
+  so once. Every node holds the same weights, only the chief holds the whole
+  optimizer state (a parameter server's slots among it), and nodes sharing a
+  file system would otherwise write one path together.
 
 Saves that write several files (sharded weights, an unzipped model) or go
-elsewhere than a local path pass through unchanged.
+elsewhere than a local path skip the rename (the rest holds).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import signal
 import socket
-from typing import Callable
+import sys
+import threading
+from typing import Callable, Iterator
 
 import keras
 
+SAVE_GRACE_ENV = "AUTODIST_SAVE_GRACE_S"
+DEFAULT_SAVE_GRACE_S = 20.0  # within the 30 s Slurm and Kubernetes allow before SIGKILL
+_EXIT_IF_STUCK_S = 5.0  # after the bound, the main thread's handler gets this long to act
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _SUFFIXES = (".weights.h5", ".keras", ".h5")
 
 
-def save_atomically(model: keras.Model) -> None:
-    """Makes ``model.save`` and ``model.save_weights`` write aside and rename."""
+def guard_saves(model: keras.Model, writes: bool = True) -> None:
+    """Makes ``model.save`` and ``model.save_weights`` safe to stop (see the module).
+
+    Args:
+        model: the model compiled in ``ad.scope()``.
+        writes: whether this node writes saves: the chief of a cluster, or the
+            only node; a worker's saves write nothing.
+    """
     cls = type(model)
+    guard = _saved_aside if writes else functools.partial(_left_to_chief, set())
     # Instance attributes: only this model changes, and Python looks them up first.
-    model.save = functools.partial(_saved_aside, functools.partial(cls.save, model))
-    model.save_weights = functools.partial(_saved_aside,
-                                           functools.partial(cls.save_weights, model))
+    model.save = functools.partial(guard, functools.partial(cls.save, model))
+    model.save_weights = functools.partial(guard, functools.partial(cls.save_weights, model))
 
 
 def temporary_path(filepath: str) -> str:
@@ -42,18 +65,118 @@ def temporary_path(filepath: str) -> str:
                                    f"{suffix}")
 
 
+def save_grace() -> float:
+    """Seconds a save may go on after a stop signal (``AUTODIST_SAVE_GRACE_S``).
+
+    Raises:
+        ValueError: when the variable is set to something else than a number >= 0.
+    """
+    text = os.environ.get(SAVE_GRACE_ENV, "").strip()
+    if not text:
+        return DEFAULT_SAVE_GRACE_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        raise ValueError(f"{SAVE_GRACE_ENV}={text!r} is not a number of seconds >= 0.")
+    return seconds
+
+
 def _saved_aside(save: Callable, filepath, *args, **kwargs):
     path = os.fspath(filepath) if isinstance(filepath, (str, os.PathLike)) else None
     overwrite = kwargs.get("overwrite", args[0] if args else True)
     whole_file = (path is not None and "://" not in path and path.endswith(_SUFFIXES)
                   and not kwargs.get("max_shard_size") and kwargs.get("zipped") is not False)
     if not whole_file or (not overwrite and os.path.exists(path)):
-        return save(filepath, *args, **kwargs)  # Keras's own behaviour (and its prompt)
+        with _stops_held(str(filepath)):
+            return save(filepath, *args, **kwargs)  # Keras's own behaviour (and its prompt)
     temporary = temporary_path(path)
+
+    def abandon() -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temporary)
+
     try:
-        result = save(temporary, *args, **kwargs)
-        os.replace(temporary, path)
+        with _stops_held(path, abandon):
+            result = save(temporary, *args, **kwargs)
+            os.replace(temporary, path)
         return result
     finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
+        abandon()
+
+
+def _left_to_chief(told: set, save: Callable, filepath, *args, **kwargs) -> None:
+    """A worker's save: says once per target that the chief writes it."""
+    what = f"{save.func.__name__}({str(filepath)!r})"
+    if what not in told:
+        told.add(what)
+        sys.stderr.write(
+            f"AutoDist worker: model.{what} writes nothing on this node: on a cluster the "
+            "chief writes Keras saves (every node holds the same weights; the chief holds the "
+            "whole optimizer state).\n")
+
+
+@contextlib.contextmanager
+def _stops_held(target: str, abandon: Callable[[], None] = lambda: None) -> Iterator[None]:
+    """Holds SIGTERM and SIGINT until the body ends, at most ``save_grace()`` s after
+    the first of them; then acts on it as the handler found here would have.
+
+    ``abandon`` removes what the save wrote so far, when a stop cannot wait for it.
+    """
+    if (threading.current_thread() is not threading.main_thread()
+            or getattr(signal.getsignal(signal.SIGTERM), "holds_stops", False)):
+        yield  # handlers are the main thread's; an outer save holds them already
+        return
+    bound = save_grace()
+    # A handler set outside Python (None) could not be put back: such signals act at once.
+    previous = {signum: handler for signum in _STOP_SIGNALS
+                if (handler := signal.getsignal(signum)) is not None}
+    held = []  # the signal received, once one is
+    finished = threading.Event()
+
+    def hold(signum, frame):
+        if held:  # a second signal, or the bound ran out: stop now
+            abandon()  # the process may end here, without unwinding the save
+            signal.signal(held[0], previous[held[0]])
+            _act_on(held[0], previous[held[0]], frame)
+            return
+        held.append(signum)
+        sys.stderr.write(f"AutoDist: {signal.Signals(signum).name} arrived during the save of "
+                         f"{target!r}; the save finishes first (at most {bound:g} s; a second "
+                         "signal stops at once).\n")
+        sys.stderr.flush()
+        threading.Thread(target=give_up, args=(signum,), daemon=True).start()
+
+    def give_up(signum):
+        if finished.wait(bound):
+            return
+        sys.stderr.write(f"AutoDist: the save of {target!r} did not finish within {bound:g} s "
+                         f"of {signal.Signals(signum).name}; stopping without it (the previous "
+                         "file is kept).\n")
+        sys.stderr.flush()
+        signal.pthread_kill(threading.main_thread().ident, signum)
+        if not finished.wait(_EXIT_IF_STUCK_S):  # the main thread is stuck in a write
+            os._exit(128 + signum)
+
+    hold.holds_stops = True
+    for signum in previous:
+        signal.signal(signum, hold)
+    try:
+        yield
+    finally:
+        finished.set()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if held:
+        _act_on(held[0], previous[held[0]], None)
+
+
+def _act_on(signum: int, handler, frame) -> None:
+    """Does what ``handler``, the one the process had, does on ``signum``."""
+    if callable(handler):
+        handler(signum, frame)
+    elif handler == signal.SIG_DFL:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+    # SIG_IGN: nothing

@@ -238,7 +238,7 @@ def lift_step(traced_step: TracedStep) -> LiftedStep:
     constants = {id(e): e.numpy() for e, _ in traced.captures
                  if id(e) not in by_handle and e.dtype != tf.resource}
     graph = tf.Graph()
-    variables, state_values, input_map = {}, {}, {}
+    variables, state_values, input_map, initial_values = {}, {}, {}, {}
     with graph.as_default():
         for external, internal in traced.captures:
             variable = by_handle.get(id(external))
@@ -266,7 +266,14 @@ def lift_step(traced_step: TracedStep) -> LiftedStep:
                 variables[placeholder.op.name] = variable
                 input_map[internal.name] = placeholder
                 continue
-            initial = tf.zeros(value.shape, value.dtype) if not np.any(value) else value
+            if np.any(value):
+                # Fed at initialization: a weight's bytes never enter a GraphDef, which
+                # is serialized, digested and copied by every stage, and capped at 2 GB.
+                initial = tf.compat.v1.placeholder(value.dtype, value.shape,
+                                                   name=f"{name}/initial_value_feed")
+                initial_values[initial.name] = value
+            else:
+                initial = tf.zeros(value.shape, value.dtype)
             lifted = tf.compat.v1.Variable(initial, trainable=id(variable) in trainable,
                                            name=name, use_resource=True, dtype=variable.dtype)
             variables[lifted.op.name] = variable
@@ -314,7 +321,8 @@ def lift_step(traced_step: TracedStep) -> LiftedStep:
                                         TRAIN_OP, type(call.optimizer).__name__,
                                         loss_scale_name)
     # Every node's model reads its metrics and batch-norm statistics back.
-    item = GraphItem(graph, [optimizer_call], state_per_node=True)
+    item = GraphItem(graph, [optimizer_call], state_per_node=True,
+                     initial_values=initial_values)
     inputs = [lifted_tensor(t) for t in traced.inputs[:num_inputs]]
     structure = concrete.structured_outputs
     outputs = [lifted_tensor(t) if isinstance(t, tf.Tensor) else t
