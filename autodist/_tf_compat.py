@@ -13,6 +13,7 @@ import copy
 import dataclasses
 from typing import Callable, Iterator
 
+import numpy as np
 import tensorflow as tf
 
 _V1Optimizer = tf.compat.v1.train.Optimizer
@@ -77,10 +78,15 @@ class OptimizerCall:
 
 
 class V1Update:
-    """One copy of a ``tf.compat.v1`` optimizer applying updates in the distributed graph."""
+    """One copy of a ``tf.compat.v1`` optimizer applying updates in the distributed graph.
+
+    Attributes:
+        initial_values: always empty: the slots start from initializers in the graph.
+    """
 
     def __init__(self, optimizer: _V1Optimizer):
         self._optimizer = optimizer
+        self.initial_values = {}
 
     def apply(self, updates: list, global_step=None) -> tuple:
         """Applies each ``PartUpdate``'s gradient to its variable.
@@ -221,6 +227,18 @@ def checkpoint_entry(name: str, value: tf.Tensor, restore: Callable[[tf.Tensor],
 
     spec = saveable_object.SaveSpec(value, "", name, dtype=value.dtype)
     return _Entry(value, [spec], name)
+
+
+def eager_snapshot(variable: tf.Variable) -> np.ndarray:
+    """An eager variable's value now, as a read-only array sharing TensorFlow's buffer,
+    read eagerly even where a graph is the default (initializing a session).
+
+    No bytes are copied: a later write of the variable gets a buffer of its own,
+    leaving the snapshot as it was (at the cost of one copy, while it is kept).
+    """
+    from tensorflow.python.eager import context
+    with context.eager_mode():
+        return np.asarray(variable.read_value())
 
 
 def variable_from_graph(variable: tf.Variable, graph: tf.Graph) -> tf.Variable:

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import warnings
 from typing import Dict, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
+from google.protobuf import message as protobuf_message
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +45,8 @@ class VariableInfo:
         return self.num_elements * np.dtype(self.dtype).itemsize
 
 
+# Constants this large are weights built from arrays: said once, with the way out.
+LARGE_CONSTANTS_BYTES = 64 * 2 ** 20
 _BATCHED_INPUT_OPS = ("Placeholder", "PlaceholderWithDefault")
 _UNSTABLE_ATTRS = ("value", "seed", "seed2")
 _PER_REPLICA_INPUT_OPS = ("IteratorGetNext", "IteratorGetNextSync")
@@ -157,8 +161,9 @@ class GraphItem:
             them in separate train ops (a GAN's generator and discriminator).
         state_per_node: whether each node of a cluster keeps its own copy of the
             non-trainable variables (see ``KernelContext.state_per_node``).
-        initial_values: placeholder tensor name -> the value to feed it when the
-            variables are initialized: initial values held outside the graph.
+        initial_values: placeholder tensor name -> a function returning the value
+            to feed it when the variables are initialized: initial values held
+            outside the graph (read when needed, not kept).
 
     Attributes:
         table_initializers: names of the ops initializing the graph's lookup tables.
@@ -198,7 +203,8 @@ class GraphItem:
         self.state_per_node = state_per_node
         self.initial_values = dict(initial_values or {})
         self.accumulation_steps = 1
-        self.graph_def = graph.as_graph_def()
+        self.graph_def = _graph_def(graph)
+        _warn_of_large_constants(self.graph_def)
         self._nodes = {node.name: node for node in self.graph_def.node}
         # Lookup tables are read-only state: every node initializes its own copy.
         self.table_initializers = tuple(
@@ -551,3 +557,45 @@ def _shape_element(graph: tf.Graph, node) -> Optional[int]:
             return None
         index += int(rank[0])
     return index
+
+
+_HOW_TO_START_LARGE_VARIABLES = (
+    "A variable built from an array (tf.Variable(numpy_array)) keeps its value in the "
+    "graph. Create it with an initializer instead (tf.compat.v1.get_variable(name, shape, "
+    "initializer=...)) and load its values with autodist.checkpoint.Saver.restore, or "
+    "assign them once the session runs.")
+
+
+def _graph_def(graph: tf.Graph):
+    """``graph``'s GraphDef; a graph over protobuf's 2 GB limit is refused by name."""
+    try:
+        return graph.as_graph_def()
+    except (ValueError, protobuf_message.DecodeError) as error:
+        sizes = {op.name: op.outputs[0].shape.num_elements() * op.outputs[0].dtype.size
+                 for op in graph.get_operations()
+                 if op.type == "Const" and op.outputs[0].shape.is_fully_defined()}
+        raise ValueError(
+            f"AutoDist cannot read the graph: it is larger than protobuf's 2 GB limit, its "
+            f"constants holding {sum(sizes.values()) / 2 ** 30:.2f} GB "
+            f"({_largest(sizes)}). {_HOW_TO_START_LARGE_VARIABLES}") from error
+
+
+def _warn_of_large_constants(graph_def) -> None:
+    """Says once which constants make the graph heavy (every stage copies them)."""
+    sizes = {}
+    for node in graph_def.node:
+        if node.op == "Const":
+            sizes[node.name] = node.attr["value"].tensor.ByteSize()
+    if sum(sizes.values()) >= LARGE_CONSTANTS_BYTES:
+        warnings.warn(
+            f"AutoDist: the graph holds {sum(sizes.values()) / 2 ** 20:.0f} MB of constants "
+            f"({_largest(sizes)}), which every stage of the rewrite copies. "
+            f"{_HOW_TO_START_LARGE_VARIABLES}", stacklevel=3)
+
+
+def _largest(sizes: dict, count: int = 3) -> str:
+    """The ``count`` largest entries of name -> bytes of 1 MB or more, as
+    "'name' 12.0 MB, ..."."""
+    ranked = sorted(((n, b) for n, b in sizes.items() if b >= 2 ** 20),
+                    key=lambda item: -item[1])[:count]
+    return ", ".join(f"{name!r} {size / 2 ** 20:.1f} MB" for name, size in ranked)

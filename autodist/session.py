@@ -165,14 +165,15 @@ class DistributedSession:
         self._session.run(copies, feed_dict=feeds)
 
     def _initial_value_feeds(self) -> dict:
-        """The initial values the single-device graph holds outside it, for the
-        placeholders of them this node's graph kept."""
+        """The starting values held outside the graph, for the placeholders of them
+        this node's graph kept."""
         feeds = {}
-        for name, value in self._distributed.item.initial_values.items():
+        for name, value_of in self._distributed.initial_values.items():
             try:
-                feeds[self._graph.get_tensor_by_name(name)] = value
+                placeholder = self._graph.get_tensor_by_name(name)
             except KeyError:  # no variable of this node starts from it
                 continue
+            feeds[placeholder] = value_of()
         return feeds
 
     @property

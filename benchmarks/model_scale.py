@@ -41,6 +41,8 @@ report.use_job_environment()
 BEGIN = "<!-- model_scale:begin -->"
 END = "<!-- model_scale:end -->"
 ROWS, BATCHES = 32, 8
+# Copies of the weights in a Keras optimizer's training state: the weights and their slots.
+STATE_COPIES = {"sgd": 1, "adagrad": 2, "rmsprop": 2, "adam": 3, "adamw": 3}
 _RESULT_TAG = "MODEL_SCALE_RESULT "
 
 
@@ -130,6 +132,25 @@ def _table(rows: list) -> str:
     return "\n".join(lines + ([""] + errors if errors else []))
 
 
+def _findings(rows: list) -> str:
+    """Per size: AutoDist's start-up beyond plain Keras's, and its memory beyond plain
+    Keras's in copies of the training state, against the goals."""
+    lines = []
+    for keras_row, autodist_row in zip(rows[::2], rows[1::2]):
+        size = f"{keras_row['megabytes']:g} MB"
+        if "error" in autodist_row or "error" in keras_row:
+            lines.append(f"- {size}: a run failed (see above).")
+            continue
+        state_gb = (keras_row["width"] ** 2 * 4 / 2 ** 30
+                    * STATE_COPIES.get(keras_row["optimizer"].lower(), 1))
+        extra_copies = (autodist_row["peak_rss_gb"] - keras_row["peak_rss_gb"]) / state_gb
+        lines.append(
+            f"- {size}: first step {autodist_row['first_step'] - keras_row['first_step']:+.1f} s "
+            f"against plain Keras; peak RSS {extra_copies:+.1f} copies of the training state "
+            f"(goal: at most +1, **{'met' if extra_copies <= 1 else 'not met'}**).")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[16, 256, 1024])
@@ -152,7 +173,8 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             rows.append(row)
     table = _table(rows)
-    print(table)
+    findings = _findings(rows)
+    print(table + "\n\n" + findings)
     if args.no_write:
         return
     info = report.machine_info()
@@ -166,7 +188,7 @@ def main() -> None:
         f"Measured {info['date']} on {info['cores']} cores ({info['cpu']}), TensorFlow "
         f"{info['tf']}, Python {info['python']}; 1-minute load average {info['load']} at "
         f"the end. Command: `{report.command_line('benchmarks/model_scale.py', parser, args)}`.",
-        "", table, "", END])
+        "", table, "", findings, "", END])
     report.write_section(args.out, section, BEGIN, END)
 
 

@@ -269,3 +269,33 @@ def test_fetching_the_global_step_counts_the_steps(spec_path, builder):
             value = sess.run(global_step)
     assert np.asarray(value).dtype == np.int64
     assert value == 3
+
+
+# ----------------------------------------------------------------------------- large constants
+
+def test_a_variable_built_from_a_large_array_is_named_with_the_way_out(spec_path):
+    """``tf.Variable(numpy_array)`` keeps 64 MB inside the graph: AutoDist says so once,
+    naming the constant, and still trains."""
+    ad = AutoDist(spec_path)
+    with tf.Graph().as_default(), ad.scope():
+        x = tf1.placeholder(tf.float32, [None, 4096])
+        w = tf1.Variable(np.full((4096, 4096), 1e-3, np.float32), name="big")
+        train_op = SGD().minimize(tf.reduce_mean(tf.matmul(x, w)))
+        with pytest.warns(UserWarning, match=r"the graph holds 64 MB of constants "
+                                             r"\('big/Initializer/initial_value' 64\.0 MB\).*"
+                                             r"Create it with an initializer"):
+            sess = ad.create_distributed_session()
+        with sess:
+            sess.run(train_op, {x: np.ones((2, 4096), np.float32)})
+
+
+def test_a_graph_over_protobufs_limit_is_refused_by_name():
+    from autodist.graph_item import _graph_def
+    with tf.Graph().as_default() as graph:
+        for name in ("a", "b"):  # two 1.1 GB constants: each may be built, not both read
+            tf1.Variable(np.zeros((1100, 2 ** 18), np.float32), name=name)
+        with pytest.raises(ValueError, match=r"cannot read the graph: it is larger than "
+                                             r"protobuf's 2 GB limit, its constants holding "
+                                             r"2\.15 GB \('a/Initializer/initial_value' 1100\.0 MB, "
+                                             r"'b/Initializer/initial_value' 1100\.0 MB\)"):
+            _graph_def(graph)

@@ -21,6 +21,7 @@ import tensorflow as tf
 
 import keras_models as km
 from autodist import AutoDist
+from autodist._tf_compat import eager_snapshot
 from autodist.keras.update import RESOURCE_WRITES
 from autodist.kernels import partitioner
 from autodist.partition import PartitionPlan
@@ -839,8 +840,8 @@ def test_a_per_batch_callback_reading_no_weights_costs_no_copy_per_batch(spec_pa
 
 @pytest.mark.parametrize("builder", [AllReduce, PartitionedPS])
 def test_a_steps_graph_holds_no_weight_values_which_initialization_feeds(spec_path, builder):
-    """A 4 MB kernel: the lifted and the distributed GraphDefs stay a few kB, and the
-    session's variables start from the eager values (then train as on one device)."""
+    """A 4 MB kernel: the lifted and the distributed GraphDefs stay small, and the
+    session's variables start from the eager values, fed (then train as on one device)."""
     def build():
         keras.utils.set_random_seed(3)
         model = keras.Sequential([keras.Input((1024,)), keras.layers.Dense(1024),
@@ -863,8 +864,17 @@ def test_a_steps_graph_holds_no_weight_values_which_initialization_feeds(spec_pa
     kernel_bytes = 1024 * 1024 * 4
     assert distributed.item.graph_def.ByteSize() < kernel_bytes / 100
     assert distributed.graph.as_graph_def().ByteSize() < kernel_bytes / 16
-    fed = sorted(distributed.item.initial_values.values(), key=np.size)
+    fed = sorted((value_of() for value_of in distributed.item.initial_values.values()),
+                 key=np.size)
     assert [v.shape for v in fed] == [(1024, 1), (1024, 1024)]  # the zero biases: tf.zeros
-    np.testing.assert_array_equal(fed[-1], initial[0])
+    # The optimizer's non-zero state (SGD's learning rate) is fed too.
+    assert len(distributed.initial_values) == len(fed) + 1
+    # Read from the eager variable when needed (now: the trained kernel), not kept.
+    np.testing.assert_array_equal(fed[-1], model.get_weights()[0])
+    assert not np.allclose(fed[-1], initial[0])
+    # What AutoDist keeps to notice Keras code's writes is the eager kernel's own buffer.
+    kernel = model.layers[0].kernel.value
+    synced = model._autodist_fit.step._synced[id(kernel)]  # pylint: disable=protected-access
+    assert np.shares_memory(synced, eager_snapshot(kernel))
     for got, want in zip(model.get_weights(), single.get_weights()):
         np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)

@@ -18,6 +18,7 @@ from typing import Callable, Optional
 import numpy as np
 import tensorflow as tf
 
+from autodist._tf_compat import eager_snapshot
 from autodist.kernels.locations import Locator
 from autodist.keras.step import STATE_OP, LiftedStep, StepCache, is_static
 from autodist.session import DistributedSession
@@ -61,7 +62,9 @@ class DistributedStep:
                     self._reads.append((variable, location.value()))
                 placeholder = tf.compat.v1.placeholder(variable.dtype, variable.shape)
                 self._writes.append((variable, placeholder, location.restore(placeholder)))
-        self._synced = {}  # id of an eager variable -> the value last copied either way
+        # id of an eager variable -> its snapshot (``eager_snapshot``) when last copied
+        # either way: no bytes of its own until Keras code writes the variable.
+        self._synced = {}
         self._fetch_outputs = [o for o in lifted.outputs if isinstance(o, tf.Tensor)]
 
     @property
@@ -101,7 +104,7 @@ class DistributedStep:
         values = self._session.tf_session.run([tensor for _, tensor in reads])
         for (variable, _), value in zip(reads, values):
             variable.assign(value)
-            self._synced[id(variable)] = value
+            self._synced[id(variable)] = eager_snapshot(variable)
 
     def copy_from_eager_if_changed(self, weights: bool = True, slots: bool = True) -> None:
         """Copies the eager variables' values to AutoDist's where Keras code changed them.
@@ -122,8 +125,8 @@ class DistributedStep:
             synced = self._synced.get(id(variable))
             if synced is None:
                 continue
-            value = variable.numpy()
-            if np.array_equal(synced, value):
+            value = eager_snapshot(variable)
+            if _same_buffer(synced, value) or np.array_equal(synced, value):
                 continue
             feeds[placeholder] = value
             ops.append(restore)
@@ -194,6 +197,11 @@ class DistributedFunction:
         rest = [bound.arguments[p.name] for p in parameters
                 if p.kind == p.VAR_POSITIONAL and p.name in bound.arguments]
         return tuple(values) + (tuple(rest[0]) if rest else ())
+
+
+def _same_buffer(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two snapshots are views of one buffer: the variable was not written."""
+    return a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
 
 
 def _as_numpy(value):

@@ -12,12 +12,14 @@ kernel, cluster path and checkpoint works on it unchanged.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Optional
 
 import numpy as np
 import tensorflow as tf
 
 from autodist import _keras_compat
+from autodist._tf_compat import eager_snapshot
 from autodist.graph_item import RESOURCE_WRITES, GraphItem
 from autodist.keras import captures, loss_scale
 from autodist.keras.update import KerasOptimizerCall
@@ -234,7 +236,6 @@ def lift_step(traced_step: TracedStep) -> LiftedStep:
     # Read eagerly, before entering the new graph.
     tables = captures.lookup_tables(owners) if any(
         e.dtype == tf.resource and id(e) not in by_handle for e, _ in traced.captures) else {}
-    values = {id(v): v.numpy() for v in traced.variables}
     constants = {id(e): e.numpy() for e, _ in traced.captures
                  if id(e) not in by_handle and e.dtype != tf.resource}
     graph = tf.Graph()
@@ -259,19 +260,19 @@ def lift_step(traced_step: TracedStep) -> LiftedStep:
             # be uniquified per scope ("sum_loss_1/count" beside "sum_loss/total");
             # a metric's variables keep their path, which groups them (replicator).
             name = paths.get(id(variable), variable.name.split(":")[0])
-            value = values[id(variable)]
+            value = eager_snapshot(variable)
             if id(variable) in optimizer_state:
                 placeholder = tf.compat.v1.placeholder(tf.resource, [], name=name)
-                state_values[placeholder.op.name] = value
+                state_values[placeholder.op.name] = functools.partial(eager_snapshot, variable)
                 variables[placeholder.op.name] = variable
                 input_map[internal.name] = placeholder
                 continue
             if np.any(value):
                 # Fed at initialization: a weight's bytes never enter a GraphDef, which
                 # is serialized, digested and copied by every stage, and capped at 2 GB.
-                initial = tf.compat.v1.placeholder(value.dtype, value.shape,
+                initial = tf.compat.v1.placeholder(variable.dtype, value.shape,
                                                    name=f"{name}/initial_value_feed")
-                initial_values[initial.name] = value
+                initial_values[initial.name] = functools.partial(eager_snapshot, variable)
             else:
                 initial = tf.zeros(value.shape, value.dtype)
             lifted = tf.compat.v1.Variable(initial, trainable=id(variable) in trainable,

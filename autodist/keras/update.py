@@ -23,7 +23,7 @@ variable.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -65,7 +65,8 @@ class KerasOptimizerCall:
 
     Attributes (as ``KerasUpdate`` reads them):
         optimizer_name: the optimizer's class name, for error messages.
-        state_values: optimizer state placeholder name -> its starting value.
+        state_values: optimizer state placeholder name -> a function returning its
+            starting value (read when needed, not kept).
         variable_names: the updated variables' names.
         gradient_tensors: gradient tensor name -> (variable name, component
             ``dense``/``values``/``indices``/``dense_shape``, dtype).
@@ -78,7 +79,7 @@ class KerasOptimizerCall:
         grads_and_vars: as above.
         update_ops: names of the update's ops in ``graph``.
         state: the optimizer's state in ``graph``: resource placeholder name ->
-            the value it starts from (a numpy array).
+            a function returning the value it starts from (a numpy array).
         result_op_name: the train op's name.
         optimizer_name: for error messages.
         loss_scale: as above.
@@ -131,8 +132,9 @@ class KerasOptimizerCall:
     def hyperparameters(self) -> dict:
         """Key -> starting value of the floating-point non-slot state (the learning
         rate): what every node's update copy starts from its own model."""
-        return {key: self.state_values[key] for key in self.stages.non_slots
-                if np.issubdtype(self.state_values[key].dtype, np.floating)}
+        values = {key: self.state_values[key]() for key in self.stages.non_slots}
+        return {key: value for key, value in values.items()
+                if np.issubdtype(value.dtype, np.floating)}
 
     def new_update(self, translate=None) -> "KerasUpdate":
         """A fresh copy of the optimizer's state and update for the default graph."""
@@ -199,12 +201,17 @@ class KerasUpdate:
 
     Args:
         call: what the optimizer did in the traced step.
+
+    Attributes:
+        initial_values: placeholder tensor name -> a function returning the value
+            to feed it at initialization: the starting state held outside the graph.
     """
 
     def __init__(self, call: KerasOptimizerCall):
         self._call = call
         self._slots = {}      # (stored copy name, slot key) -> variable
         self._non_slots = {}  # key -> variable
+        self.initial_values = {}
 
     def slot(self, copy: tf.Variable, key: str) -> Optional[tf.Variable]:
         """The slot ``key`` of the stored copy ``copy``, or None."""
@@ -228,7 +235,8 @@ class KerasUpdate:
         call, stages = self._call, self._call.stages
         with tf.device(updates[0].variable.device):
             for key in stages.non_slots:
-                self._non_slots[key] = _state_variable(call.state_values[key], f"{key}/copy")
+                self._non_slots[key] = _state_variable(call.state_values[key], f"{key}/copy",
+                                                       self.initial_values)
             state_handles = {key: v.handle for key, v in self._non_slots.items()}
             common = self._import(stages.common, self._common_inputs(updates, state_handles),
                                   "keras_update/common")
@@ -261,7 +269,7 @@ class KerasUpdate:
         with tf.device(update.variable.device):
             for key in stages.slots[update.name]:
                 slot = _state_variable(call.state_values[key], f"{update.variable.op.name}/{key}",
-                                       update)
+                                       self.initial_values, update)
                 self._slots[(update.variable.name, key)] = slot
                 handles[key] = slot.handle
             handles[update.name] = update.variable.handle
@@ -367,10 +375,26 @@ class KerasUpdate:
                 if self._call.nodes[name].op in RESOURCE_WRITES]
 
 
-def _state_variable(value: np.ndarray, name: str, update: Optional[PartUpdate] = None
-                    ) -> tf.Variable:
-    """A variable of the optimizer's state starting at ``value``, or at the piece of it
-    that ``update``'s copy holds (its part, its shard)."""
+def _state_variable(value_of: Callable[[], np.ndarray], name: str, feeds: dict,
+                    update: Optional[PartUpdate] = None) -> tf.Variable:
+    """A variable of the optimizer's state starting at the value ``value_of`` returns,
+    or at the piece of it that ``update``'s copy holds (its part, its shard).
+
+    A non-zero start is fed at initialization (``feeds``: placeholder name -> a
+    function returning it), not held in the graph.
+    """
+    name = name.replace(":", "_")
+    value = _piece(value_of(), update)
+    if not value.any():
+        return tf.Variable(tf.zeros(value.shape, value.dtype), trainable=False, name=name)
+    initial = tf.compat.v1.placeholder(value.dtype, value.shape,
+                                       name=f"{name}/initial_value_feed")
+    feeds[initial.name] = lambda: _piece(value_of(), update)
+    return tf.Variable(initial, trainable=False, name=name)
+
+
+def _piece(value: np.ndarray, update: Optional[PartUpdate]) -> np.ndarray:
+    """The piece of an optimizer state's value that ``update``'s copy holds."""
     if update is not None and update.plan is not None:
         value = np.split(value, np.cumsum(update.plan.sizes)[:-1],
                          axis=update.plan.axis)[update.part]
@@ -378,8 +402,7 @@ def _state_variable(value: np.ndarray, name: str, update: Optional[PartUpdate] =
         offset, size = update.shard
         value = value.reshape(-1)[offset:offset + size]
         value = np.pad(value, (0, size - len(value)))
-    initial = tf.zeros(value.shape, value.dtype) if not value.any() else tf.constant(value)
-    return tf.Variable(initial, trainable=False, name=name.replace(":", "_"))
+    return value
 
 
 def _component(gradient, key: str, dtype: tf.DType, variable: Optional[tf.Variable]

@@ -99,7 +99,8 @@ class DistributedGraph:
     (a cluster's AllReduce copies, proxies), ``init_ops[1]`` those copies. On a cluster a
     worker leaves the chief's variables to the chief and, between the phases,
     waits until ``chief_uninitialized`` (names of the chief's variables not yet
-    initialized) is empty.
+    initialized) is empty. Both phases feed ``initial_values`` (placeholder name
+    -> a function returning its value): the starting values held outside the graph.
     """
 
     graph: tf.Graph
@@ -110,6 +111,7 @@ class DistributedGraph:
     updates: list = dataclasses.field(default_factory=list)  # UpdateOps per optimizer call
     init_ops: tuple = ()
     chief_uninitialized: Optional[tf.Tensor] = None
+    initial_values: dict = dataclasses.field(default_factory=dict)
 
     def replica_element(self, name: str, replica: int):
         """The replica's copy of an op or tensor of the original graph."""
@@ -130,7 +132,8 @@ def transform(item: GraphItem, compiled: CompiledStrategy, ctx: KernelContext) -
     Returns:
         DistributedGraph
     """
-    result = DistributedGraph(graph=tf.Graph(), item=item, ctx=ctx, storage={})
+    result = DistributedGraph(graph=tf.Graph(), item=item, ctx=ctx, storage={},
+                              initial_values=dict(item.initial_values))
     deferred = []
     keys = CollectiveKeys()
     # Kind instances per optimizer call: a kind keeps what its end of step needs.
@@ -163,6 +166,8 @@ def transform(item: GraphItem, compiled: CompiledStrategy, ctx: KernelContext) -
                 tf.group(*run, *state_writes, name=f"autodist_accumulate_{j}")
                 for j, run in enumerate(accumulation.runs))
             result.updates.append(update)
+            for optimizer in update.optimizers:
+                result.initial_values.update(optimizer.initial_values)
         _reconnect(result, deferred)
         _plan_initialization(result, list(shared_variables.values()),
                              [s for synchronizers in per_call for s in synchronizers.values()],
