@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import numbers
 import os
 import warnings
@@ -158,8 +159,10 @@ class AutoDist:
             "function with @ad.function (or train with model.fit) to distribute it.",
             stacklevel=4)
 
-    def function(self, fn: Callable) -> DistributedFunction:
-        """Distributes a Keras / TF2 training step (also usable as ``@ad.function``).
+    def function(self, fn: Optional[Callable] = None, *, copy_back: str = "every_call"
+                 ) -> Union[DistributedFunction, Callable[[Callable], DistributedFunction]]:
+        """Distributes a Keras / TF2 training step (also usable as ``@ad.function`` and
+        ``@ad.function(copy_back=...)``).
 
         ``fn`` computes gradients (``tf.GradientTape``) and applies them with
         one Keras optimizer; create the model and the optimizer in
@@ -172,12 +175,23 @@ class AutoDist:
         Note:
             ``fn`` is traced at the first call for arguments of that call's
             structure and dtypes (any batch size), and again for arguments of
-            another structure or dtype. After every call the
-            model's weights, the optimizer's state and the metrics hold the
-            trained values; values changed between calls (``set_weights``,
-            ``load_weights``) are picked up by the next call.
+            another structure or dtype. After every call the metrics and the
+            optimizer's scalars (its iteration count, learning rate) hold the
+            trained values, and so do the model's weights and the optimizer's
+            slots with ``copy_back="every_call"`` (the default). With
+            ``copy_back="on_request"`` they reach the model when you call the
+            returned function's ``copy_to_model()``, before Keras code reads them
+            (evaluating, saving): a large model's copy can cost more than its step.
+            Values changed between calls (``set_weights``, ``load_weights``) are
+            picked up by the next call either way.
+
+        Raises:
+            ValueError: for another ``copy_back``.
         """
-        return DistributedFunction(self._open_lifted_session, fn, self._local_replicas)
+        if fn is None:
+            return functools.partial(self.function, copy_back=copy_back)
+        return DistributedFunction(self._open_lifted_session, fn, self._local_replicas,
+                                   copy_back)
 
     def create_distributed_session(self, config: Optional[tf.compat.v1.ConfigProto] = None
                                    ) -> DistributedSession:

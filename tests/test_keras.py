@@ -352,6 +352,48 @@ def test_function_accepts_a_tf_function_and_tensors(spec_path):
     assert_same(snapshot(model, optimizer, losses=losses), function_single("mlp"))
 
 
+@pytest.mark.parametrize("builder", [AllReduce, PartitionedPS])
+def test_function_copying_back_on_request_leaves_the_model_until_asked(spec_path, builder):
+    """``copy_back="on_request"``: the weights and slots stay in AutoDist's session
+    (the eager model keeps its starting values) while the optimizer's iteration count
+    follows every call; ``copy_to_model()`` then brings exactly what every-call copying
+    gives. A weight set between calls is still picked up."""
+    ad = AutoDist(resource_spec_file=spec_path, strategy_builder=builder())
+    with ad.scope():
+        model = km.build("mlp")
+        optimizer = OPTIMIZERS["adam"]()
+
+        @ad.function(copy_back="on_request")
+        def step(x, y):
+            return km.make_train_step(model, optimizer, km.loss("mlp"))(x, y)
+
+    start = [w.copy() for w in model.get_weights()]
+    losses = []
+    for x, y in km.batches(*km.data("mlp")):
+        losses.append(step(x, y))
+        assert int(optimizer.iterations.numpy()) == len(losses)
+        for now, then in zip(model.get_weights(), start):
+            np.testing.assert_array_equal(now, then)
+        assert not any(np.any(np.asarray(v)) for v in optimizer.variables
+                       if len(v.shape) > 0)  # the slots: still zero
+    step.copy_to_model()
+    assert_same(snapshot(model, optimizer, losses=losses), function_single("mlp"))
+
+    x, y = next(iter(km.batches(*km.data("mlp"))))
+    layer = model.layers[-1]
+    layer.kernel.assign(np.zeros(layer.kernel.shape, "float32"))
+    step(x, y)
+    step.copy_to_model()
+    assert np.abs(layer.kernel.numpy()).max() < 0.05  # one Adam step from zero, not onwards
+
+
+def test_function_refuses_an_unknown_copy_back(spec_path):
+    ad = AutoDist(resource_spec_file=spec_path)
+    with pytest.raises(ValueError, match=r"copy_back must be one of \['every_call', "
+                                         r"'on_request'\], not 'sometimes'"):
+        ad.function(lambda x: x, copy_back="sometimes")
+
+
 # ----------------------------------------------------------------------------- 4. batch split
 
 def trained_session(spec: str, builder, way: str, x: np.ndarray, y: np.ndarray):

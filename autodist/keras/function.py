@@ -24,6 +24,9 @@ from autodist.keras.step import STATE_OP, LiftedStep, StepCache, is_static
 from autodist.session import DistributedSession
 
 
+_IN_PLACE_BYTES = 2 ** 20  # below this, a copy costs less than DLPack's wrapping
+
+
 class DistributedStep:
     """A lifted step and the session running it.
 
@@ -103,7 +106,10 @@ class DistributedStep:
         reads = [(v, t) for v, t in self._reads if self._selected(v, weights, slots)]
         values = self._session.tf_session.run([tensor for _, tensor in reads])
         for (variable, _), value in zip(reads, values):
-            variable.assign(value)
+            # Without the old snapshot the variable's buffer is its own, written in place
+            # (a shared one would get a fresh buffer, and a fresh gigabyte costs seconds).
+            self._synced.pop(id(variable), None)
+            variable.assign(_as_tensor_in_place(value))
             self._synced[id(variable)] = eager_snapshot(variable)
 
     def copy_from_eager_if_changed(self, weights: bool = True, slots: bool = True) -> None:
@@ -135,6 +141,9 @@ class DistributedStep:
             self._session.tf_session.run(ops, feed_dict=feeds)
 
 
+COPY_BACK = ("every_call", "on_request")
+
+
 class DistributedFunction:
     """What ``ad.function(fn)`` returns: call it with the global batch.
 
@@ -142,15 +151,27 @@ class DistributedFunction:
         open_session: opens AutoDist's session on a lifted step's graph.
         fn: the training step.
         replicas: the number of replicas on this node.
+        copy_back: when the eager model gets the trained weights and optimizer
+            slots: after ``"every_call"``, or ``"on_request"`` (``copy_to_model``).
+            The small state (metrics, the optimizer's scalars) is copied after
+            every call either way.
+
+    Raises:
+        ValueError: for a ``copy_back`` not in ``COPY_BACK``.
     """
 
     def __init__(self, open_session: Callable[[LiftedStep], DistributedSession], fn: Callable,
-                 replicas: int):
+                 replicas: int, copy_back: str = "every_call"):
+        if copy_back not in COPY_BACK:
+            raise ValueError(f"ad.function: copy_back must be one of {list(COPY_BACK)}, not "
+                             f"{copy_back!r}.")
         functools.update_wrapper(self, fn)
         self._signature = inspect.signature(getattr(fn, "python_function", fn))
         self._steps = StepCache(fn, replicas,
                                 lambda lifted: DistributedStep(lifted, open_session(lifted)))
         self._step: Optional[DistributedStep] = None  # the step that ran last
+        self._every_call = copy_back == "every_call"
+        self._stale = False  # trained weights and slots not yet copied to the model
 
     @property
     def step(self) -> Optional[DistributedStep]:
@@ -161,14 +182,24 @@ class DistributedFunction:
         if kwargs:
             args = self._positional(args, kwargs)
         step = self._steps.find(args)
+        if step is not self._step:
+            self.copy_to_model()  # another step goes on from the values trained so far
         if step is None:  # traced for these arguments' structure and dtypes
             step = self._steps.add(args)
         else:
             step.copy_from_eager_if_changed()
         self._step = step
         outputs = step.run(args)
-        step.copy_to_eager()
+        step.copy_to_eager(weights=self._every_call, slots=self._every_call)
+        self._stale = not self._every_call
         return outputs
+
+    def copy_to_model(self) -> None:
+        """Copies the trained weights and optimizer slots into the eager model, if it
+        does not hold them yet (with ``copy_back="on_request"``)."""
+        if self._stale:
+            self._step.copy_to_eager()
+            self._stale = False
 
     def _positional(self, args: tuple, kwargs: dict) -> tuple:
         """The call's arguments by position, bound as ``tf.function`` binds keywords.
@@ -197,6 +228,18 @@ class DistributedFunction:
         rest = [bound.arguments[p.name] for p in parameters
                 if p.kind == p.VAR_POSITIONAL and p.name in bound.arguments]
         return tuple(values) + (tuple(rest[0]) if rest else ())
+
+
+def _as_tensor_in_place(value):
+    """A large fetched array as a tensor on its own memory (DLPack), sparing the copy
+    ``assign`` would make; AutoDist drops the array, so nothing else writes it."""
+    if (not isinstance(value, np.ndarray) or value.nbytes < _IN_PLACE_BYTES
+            or not value.flags.writeable or not value.flags.c_contiguous):
+        return value
+    try:
+        return tf.experimental.dlpack.from_dlpack(value.__dlpack__())
+    except (BufferError, TypeError, ValueError, tf.errors.InvalidArgumentError):
+        return value  # a dtype DLPack does not carry
 
 
 def _same_buffer(a: np.ndarray, b: np.ndarray) -> bool:
