@@ -196,27 +196,24 @@ def _errors(rows: list) -> list:
             for row in rows if "error" in row]
 
 
-def _fit_table(rows: list) -> str:
-    lines = ["| weights | optimizer | system | first step | fit | later steps | peak RSS | "
-             "GraphDef |", "|---|---|---|--:|--:|--:|--:|--:|"]
-    for row in rows:
-        lines.append(
-            f"| {row['megabytes']:g} MB | {row['optimizer']} | {row['mode']} | "
-            f"{_cell(row, 'first_step', '{:.1f} s')} | {_cell(row, 'fit', '{:.1f} s')} | "
-            f"{_cell(row, 'later', '{:.2f} s')} | {_cell(row, 'peak_rss_gb', '{:.2f} GB')} | "
-            f"{_cell(row, 'graph_mb', '{:.2f} MB')} |")
-    return "\n".join(lines + ([""] + _errors(rows) if _errors(rows) else []))
+# A table's columns: (heading, key of a run's figures, format).
+FIT_COLUMNS = (("first step", "first_step", "{:.1f} s"), ("fit", "fit", "{:.1f} s"),
+               ("later steps", "later", "{:.2f} s"), ("peak RSS", "peak_rss_gb", "{:.2f} GB"),
+               ("GraphDef", "graph_mb", "{:.2f} MB"))
+LOOP_COLUMNS = (("first call", "first_step", "{:.1f} s"), ("later calls", "later", "{:.2f} s"),
+                ("copy_to_model", "copy", "{:.2f} s"), ("loop", "fit", "{:.1f} s"),
+                ("peak RSS", "peak_rss_gb", "{:.2f} GB"))
 
 
-def _loop_table(rows: list) -> str:
-    lines = ["| weights | optimizer | system | first call | later calls | copy_to_model | "
-             "loop | peak RSS |", "|---|---|---|--:|--:|--:|--:|--:|"]
+def _table(rows: list, columns: tuple, system: str = "{}") -> str:
+    """Rows of runs as a Markdown table of ``columns``, the failures listed below it;
+    ``system`` formats the mode's name."""
+    lines = ["| weights | optimizer | system | " + " | ".join(c[0] for c in columns) + " |",
+             "|---|---|---|" + "--:|" * len(columns)]
     for row in rows:
-        lines.append(
-            f"| {row['megabytes']:g} MB | {row['optimizer']} | `{row['mode']}` | "
-            f"{_cell(row, 'first_step', '{:.1f} s')} | {_cell(row, 'later', '{:.2f} s')} | "
-            f"{_cell(row, 'copy', '{:.2f} s')} | {_cell(row, 'fit', '{:.1f} s')} | "
-            f"{_cell(row, 'peak_rss_gb', '{:.2f} GB')} |")
+        cells = [f"{row['megabytes']:g} MB", row["optimizer"], system.format(row["mode"])]
+        cells += [_cell(row, key, fmt) for _, key, fmt in columns]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines + ([""] + _errors(rows) if _errors(rows) else []))
 
 
@@ -265,9 +262,9 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             rows.append(row)
     fit_rows = [row for row in rows if row["mode"] in FIT_MODES]
-    table = _fit_table(fit_rows)
+    table = _table(fit_rows, FIT_COLUMNS)
     findings = _findings(fit_rows)
-    loops = _loop_table([row for row in rows if row["mode"] in LOOP_MODES])
+    loops = _table([row for row in rows if row["mode"] in LOOP_MODES], LOOP_COLUMNS, "`{}`")
     print(table + "\n\n" + findings + "\n\n" + loops)
     if args.no_write:
         return
