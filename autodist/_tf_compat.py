@@ -262,6 +262,14 @@ def replace_input(op: tf.Operation, index: int, tensor: tf.Tensor) -> None:
     op._update_input(index, tensor)  # pylint: disable=protected-access
 
 
+def replace_control_inputs(op: tf.Operation, old: list, new: list) -> None:
+    """Makes ``op`` wait for ``new`` instead of ``old`` (edges changed after import)."""
+    names = {o.name for o in old}
+    kept = [c for c in op.control_inputs if c.name not in names]
+    op._remove_all_control_inputs()  # pylint: disable=protected-access
+    op._add_control_inputs(kept + list(new))  # pylint: disable=protected-access
+
+
 def import_graph_def(graph_def, input_map: dict, prefix: str) -> None:
     """Imports ``graph_def`` into the default graph, keeping its NodeDef devices.
 

@@ -24,6 +24,9 @@ class VariableInfo:
         ready_rank: when its gradient is ready in the backward pass, as a rank
             among the variables with a gradient (0: first); all-reduce buckets
             are filled in this order. Equal ranks keep the variables' order.
+        read_whole: whether an op of the model reads its whole value; False
+            when it only gathers rows of it (``VariableReads``), so that a
+            step reads the rows it touches wherever the variable is stored.
     """
 
     name: str
@@ -32,6 +35,7 @@ class VariableInfo:
     sparse_grad: bool = False
     has_grad: bool = True
     ready_rank: int = 0
+    read_whole: bool = False
 
     @property
     def num_elements(self) -> int:
@@ -77,6 +81,44 @@ class PartUpdate:
     part: int = 0
     plan: Optional[object] = None
     shard: Optional[tuple] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RowGather:
+    """A read of some rows of a trainable variable, along axis 0.
+
+    ``ResourceGather(variable, ids)`` (``tf.gather`` of a resource variable), or
+    ``GatherV2(ReadVariableOp(variable), ids, axis=0)`` (Keras's ``Embedding``),
+    neither with batch dimensions: the rows of a partitioned variable can come
+    from the parts owning them, with no read of the whole value.
+
+    Attributes:
+        gather: the gathering op; its first output holds the rows.
+        read: the ``ReadVariableOp`` a ``GatherV2`` gathers from, or None.
+    """
+
+    gather: str
+    read: Optional[str] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class VariableReads:
+    """How the replicated graph reads one trainable variable.
+
+    Attributes:
+        gathers: its ``RowGather`` reads.
+        unused: ``ReadVariableOp`` s whose value no op uses; only control edges
+            wait for them (a traced step's ordering of reads before writes).
+        whole: whether some other op reads its whole value (a matmul, a loop
+            taking its handle).
+        waiting: op name -> the ops of ``gathers`` and ``unused`` it has control
+            edges on.
+    """
+
+    gathers: tuple = ()
+    unused: tuple = ()
+    whole: bool = False
+    waiting: dict = dataclasses.field(default_factory=dict)
 
 
 def gradient_ref(grad) -> "GradientRef":
@@ -179,6 +221,7 @@ class GraphItem:
         read_by_control_flow: trainable variables whose handle a traced
             ``tf.while_loop`` or ``tf.cond`` takes (TensorFlow runs it where the
             variable is stored).
+        reads: trainable variable name -> its ``VariableReads``.
         loss_scale_reads: names of the reads of a loss scale (the variable an
             optimizer call's loss is multiplied by before the gradients,
             ``loss_scale``) outside the update: shared ops, whose consumers are
@@ -239,6 +282,7 @@ class GraphItem:
         self.read_by_control_flow = self._read_by_control_flow()
         self._classify_ops()
         self._mark_same_rows()
+        self.reads = self._variable_reads()
         ranks = self._ready_ranks()
         self.trainable_variables = [
             VariableInfo(name=v.op.name, shape=tuple(v.shape.as_list()),
@@ -246,7 +290,8 @@ class GraphItem:
                          sparse_grad=self.gradients.get(
                              v.op.name, GradientRef("")).synchronized_sparse,
                          has_grad=v.op.name in self.gradients,
-                         ready_rank=ranks.get(v.op.name, 0))
+                         ready_rank=ranks.get(v.op.name, 0),
+                         read_whole=self.reads[v.op.name].whole)
             for v in self._trainables]
         # optimizer call index -> its gradient processing, where it has one
         self.processing = {index: self._processing(call)
@@ -276,6 +321,38 @@ class GraphItem:
                    if node.op in FUNCTIONAL_CONTROL_FLOW
                    for inp in node.input if not inp.startswith("^")}
         return frozenset(sources & set(self.variables))
+
+    def _variable_reads(self) -> Dict[str, VariableReads]:
+        """Each trainable variable's ``VariableReads``, from its consumers in the replicated graph."""
+        nodes = self._nodes
+        data, control = {}, {}  # op name -> replicated ops using its output / waiting for it
+        for node in self.graph_def.node:
+            if node.name not in self.replicated:
+                continue
+            for inp in node.input:
+                users = control if inp.startswith("^") else data
+                users.setdefault(op_name(inp), []).append(node)
+        reads = {}
+        for name in self.variables:
+            gathers, unused, whole = [], [], bool(control.get(name))
+            for user in data.get(name, []):
+                if user.op == "ResourceGather" and not user.attr["batch_dims"].i:
+                    gathers.append(RowGather(user.name))
+                elif user.op == "ReadVariableOp" and not data.get(user.name):
+                    unused.append(user.name)
+                elif user.op == "ReadVariableOp" and all(
+                        _gathers_rows(nodes, g, user.name) for g in data[user.name]):
+                    gathers.extend(RowGather(g.name, user.name) for g in data[user.name])
+                else:
+                    whole = True
+            waited = {g.gather for g in gathers} | {g.read for g in gathers if g.read} | set(unused)
+            waiting = {}
+            for op in sorted(waited):
+                for node in control.get(op, []):
+                    waiting.setdefault(node.name, []).append(op)
+            reads[name] = VariableReads(tuple(gathers), tuple(unused), whole,
+                                        {k: tuple(v) for k, v in waiting.items()})
+        return reads
 
     def _loss_scale_reads(self) -> frozenset:
         scales = {call.loss_scale for call in self.optimizer_calls if call.loss_scale}
@@ -460,6 +537,17 @@ def through_identities(nodes: dict, name: str) -> str:
     while name in nodes and nodes[name].op == "Identity":
         name = op_name(nodes[name].input[0])
     return name
+
+
+def _gathers_rows(nodes: dict, node, params: str) -> bool:
+    """Whether ``node`` is ``GatherV2(params, ids, axis=0)`` with no batch dimensions."""
+    if node.op != "GatherV2" or node.attr["batch_dims"].i:
+        return False
+    inputs = [i for i in node.input if not i.startswith("^")]
+    axis = nodes.get(op_name(inputs[2]))
+    return (op_name(inputs[0]) == params and op_name(inputs[1]) != params
+            and axis is not None and axis.op == "Const"
+            and tf.make_ndarray(axis.attr["value"].tensor).item() == 0)
 
 
 def op_name(name: str) -> str:

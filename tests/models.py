@@ -161,6 +161,34 @@ def partitionable(optimizer_fn: OptimizerFn, seed: int = 0) -> Model:
     return Model(feeds, loss, _minimize(optimizer_fn, loss), [odd, wide, table, proj, bias])
 
 
+def gathered(optimizer_fn: OptimizerFn, seed: int = 0) -> Model:
+    """Tables read by row gathers: ``table`` only so, ``tied`` also whole.
+
+    ``table`` [13, 4] (13 rows part unevenly) is looked up by ids of shape [B, 2]
+    with ``tf.nn.embedding_lookup``; ``tied`` [9, 4] is gathered with
+    ``tf.gather`` and multiplied whole, as a language model ties its input and
+    output embeddings. The ids repeat within each half and quarter of the batch
+    and across them.
+    """
+    tf1.set_random_seed(seed)
+    rng = np.random.RandomState(seed)
+    ids = tf1.placeholder(tf.int32, [None, 2], name="ids")
+    x = tf1.placeholder(tf.float32, [None, 4], name="x")
+    y = tf1.placeholder(tf.float32, [None, 2], name="y")
+    table = _get_variable("table", [13, 4], seed + 1)
+    tied = _get_variable("tied", [9, 4], seed + 2)
+    out = _get_variable("out", [13, 2], seed + 3)
+    pooled = tf.reduce_sum(tf.nn.embedding_lookup(table, ids), axis=1)
+    hidden = tf.tanh(pooled + tf.gather(tied, ids[:, 0] % 9))
+    logits = tf.matmul(tf.concat([hidden, tf.matmul(x, tied, transpose_b=True)], 1), out)
+    loss = tf.reduce_mean(tf.square(logits - y))
+    feeds = {ids: np.array([[1, 12], [1, 1], [5, 0], [12, 3],
+                            [5, 7], [12, 12], [0, 1], [3, 5]], dtype=np.int32),
+             x: rng.randn(BATCH_SIZE, 4).astype(np.float32),
+             y: rng.randn(BATCH_SIZE, 2).astype(np.float32)}
+    return Model(feeds, loss, _minimize(optimizer_fn, loss), [table, tied, out])
+
+
 def two_dtypes(optimizer_fn: OptimizerFn, seed: int = 0) -> Model:
     """A float64 layer between float32 ones: all-reduce groups holding two dtypes."""
     tf1.set_random_seed(seed)
@@ -228,5 +256,6 @@ MODELS = {
     "embedding": embedding,
     "rnn": rnn,
     "partitionable": partitionable,
+    "gathered": gathered,
     "two_dtypes": two_dtypes,
 }

@@ -363,14 +363,17 @@ def test_sparse_ps_moves_touched_rows_but_a_proxy_copies_the_whole_part():
                                   + SERVING)
 
 
-def test_a_partitioned_sparse_variable_is_pulled_whole():
-    # The partitioner re-stitches the parts before the lookup, so every part is read
-    # whole; the pushes still carry the touched rows, 5 of each replica's 10 per part.
-    emb = [VariableInfo("emb", (1000, 64), "float32", sparse_grad=True)]
+@pytest.mark.parametrize("read_whole", [False, True], ids=["gathered", "also read whole"])
+def test_a_partitioned_table_is_pulled_by_its_touched_rows_unless_read_whole(read_whole):
+    # The replicas gather their rows from the parts, 5 of each replica's 10 per part,
+    # as the pushes carry them; a table something also reads whole (a tied output
+    # embedding) is stitched from its parts, every part read whole.
+    emb = [VariableInfo("emb", (1000, 64), "float32", sparse_grad=True, read_whole=read_whole)]
     parts = [common.ps_node_config(partition.part_name("emb", i), f"{A}:CPU:0") for i in range(2)]
     split = predict(strategy_of(ONE_PLUS_THREE, common.partitioned_node_config("emb", 0, 2, parts)),
                     emb, ONE_PLUS_THREE, batch_size=10)
-    assert split == pytest.approx(seconds(3 * 10 * 256, 1) + seconds(3 * 1000 * 256, 1)
+    pulled = 3 * 1000 * 256 if read_whole else 3 * 10 * 256
+    assert split == pytest.approx(seconds(3 * 10 * 256, 1) + seconds(pulled, 1)
                                   + 2 * OVERHEAD + SERVING)
 
 

@@ -1,8 +1,9 @@
 """Partitioner: splits a variable, its gradient and its update along one axis.
 
 The arithmetic (which rows each part holds) is :mod:`autodist.partition`'s;
-this module cuts and stitches tensors by it. Consumers of the variable read the
-re-stitched value; each part gets its own slice of the gradient and its own
+this module cuts and stitches tensors by it. A gather of some rows of the
+variable asks the parts for them (``gather_rows``); other consumers read the
+re-stitched value. Each part gets its own slice of the gradient and its own
 optimizer update.
 """
 from __future__ import annotations
@@ -20,6 +21,34 @@ def split_value(value: tf.Tensor, plan: PartitionPlan) -> list:
 def stitch(parts: list, plan: PartitionPlan) -> tf.Tensor:
     """The full value from its parts."""
     return tf.concat(parts, axis=plan.axis)
+
+
+def gather_rows(parts: list, ids: tf.Tensor, plan: PartitionPlan) -> tf.Tensor:
+    """``tf.gather(variable, ids)`` of a partitioned variable, each part gathering on its device.
+
+    Split along axis 0, the ids are routed to the parts owning them and the
+    rows stitched back in the ids' order: only the ids and the rows they name
+    cross devices. Split along another axis, every part gathers every id and
+    the slices are joined.
+
+    Args:
+        parts: each part's variable as this replica reads it.
+        ids: row ids of any shape, as the original gather took them.
+    """
+    def part_gather(part, part_ids):
+        with tf.device(part.device):
+            return tf.raw_ops.ResourceGather(resource=part.handle, indices=part_ids,
+                                             dtype=part.dtype.base_dtype)
+
+    if plan.axis != 0:
+        return tf.concat([part_gather(p, ids) for p in parts], axis=tf.rank(ids) + plan.axis - 1)
+    flat = tf.cast(tf.reshape(ids, [-1]), tf.int64)
+    starts = tf.constant(plan.offsets, tf.int64)
+    owner = tf.searchsorted(starts, flat, side="right") - 1
+    local = tf.dynamic_partition(flat - tf.gather(starts, owner), owner, plan.num_parts)
+    positions = tf.dynamic_partition(tf.range(tf.size(flat)), owner, plan.num_parts)
+    rows = tf.dynamic_stitch(positions, [part_gather(p, i) for p, i in zip(parts, local)])
+    return tf.reshape(rows, tf.concat([tf.shape(ids), tf.shape(rows)[1:]], axis=0))
 
 
 def stitch_gradient(parts: list, plan: PartitionPlan):

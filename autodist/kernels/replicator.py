@@ -9,13 +9,14 @@ input and its own view of every trainable variable.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import tensorflow as tf
 
 from autodist import _tf_compat
 from autodist.graph_item import (FUNCTIONAL_CONTROL_FLOW, KEYED_RANDOM_OPS, GraphItem,
-                                 op_name, tensor_name, through_identities)
+                                 VariableReads, op_name, tensor_name, through_identities)
 from autodist.kernel_context import KernelContext, replica_scope
 
 _PLACEMENT_ATTRS = ("_class",)
@@ -86,8 +87,23 @@ def import_shared(item: GraphItem, ctx: KernelContext, deferred: list) -> None:
     tf.graph_util.import_graph_def(graph_def, name="")
 
 
+@dataclasses.dataclass
+class Replicas:
+    """What ``replicate`` built besides the replicas' ops.
+
+    Attributes:
+        state_writes: the ops writing the merged assigns, to run with every
+            training step.
+        row_reads: variable name -> per replica, the ops gathering its rows
+            where they are stored (see ``gather_rows_where_stored``).
+    """
+
+    state_writes: list
+    row_reads: dict
+
+
 def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
-              deferred: list) -> list:
+              gather_rows: dict, deferred: list) -> Replicas:
     """Imports one copy of the replicated ops per replica into the default graph.
 
     State that the forward pass assigns to a shared (non-trainable) variable
@@ -105,11 +121,11 @@ def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
 
     Args:
         variable_handles: trainable variable name -> [resource handle per replica].
+        gather_rows: trainable variable name -> ``f(replica, ids)``, the rows
+            ``ids`` of its stored copies as the replica reads them; for the
+            variables some gather reads (``GraphItem.reads``).
         deferred: receives (node name in the new graph, source name) control
             edges to reconnect.
-
-    Returns:
-        the ops writing the merged assigns, to run with every training step.
     """
     graph = tf.compat.v1.get_default_graph()
     external = {}
@@ -119,6 +135,7 @@ def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
     graph_def = subgraph_def(item, item.replicated, external, local_deferred, with_library=False)
     merged = _defer_shared_assigns(item, graph_def)
     assigned = {name: [] for name in merged}
+    row_reads = {name: [] for name in gather_rows}
     copied = {node.name for node in graph_def.node}
     salt = _salt_random_keys(graph_def)
     for replica in range(ctx.num_replicas):
@@ -147,6 +164,10 @@ def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
             node.device = device
             _keep_functional(node)
         _tf_compat.import_graph_def(graph_def, input_map, scope)
+        with tf.device(device):
+            for name, gather in gather_rows.items():
+                row_reads[name].append(gather_rows_where_stored(
+                    item.reads[name], scope, functools.partial(gather, replica)))
         deferred.extend((f"{scope}/{node}", source) for node, source in local_deferred)
         for name, merge in merged.items():
             source = merge.delta or f"{name}:0"
@@ -174,7 +195,41 @@ def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
                 value = tf.raw_ops.ReadVariableOp(resource=handle, dtype=total.dtype) + total
             writes.append(tf.raw_ops.AssignVariableOp(resource=handle, value=value,
                                                       name=f"{name}/merged"))
-    return writes
+    return Replicas(writes, row_reads)
+
+
+def gather_rows_where_stored(reads: VariableReads, scope: str, gather) -> list:
+    """Points one replica's gathers of a variable at ``gather(ids)``, which reads
+    the rows where they are stored: a partitioned variable's parts, a parameter
+    server's variable. No op of the replica then reads the variable whole for them.
+
+    Ops that waited for a replaced gather or read wait for the new gathers;
+    edges to a read whose value nothing uses are dropped.
+
+    Returns:
+        the new gathers' ops.
+    """
+    graph = tf.compat.v1.get_default_graph()
+    instead = {name: [] for name in reads.unused}  # original op -> what to wait for instead
+    new = []
+    for site in reads.gathers:
+        old = graph.get_operation_by_name(f"{scope}/{site.gather}")
+        with tf.name_scope(f"{scope}/{site.gather}/where_stored/"):
+            rows = gather(old.inputs[1])
+        rows.set_shape(old.outputs[0].shape)
+        new.append(rows.op)
+        for consumer in old.outputs[0].consumers():
+            for index, tensor in enumerate(consumer.inputs):
+                if tensor.name == old.outputs[0].name:
+                    _tf_compat.replace_input(consumer, index, rows)
+        for name in filter(None, (site.gather, site.read)):
+            instead.setdefault(name, []).append(rows.op)
+    for waiter, ops in reads.waiting.items():
+        _tf_compat.replace_control_inputs(
+            graph.get_operation_by_name(f"{scope}/{waiter}"),
+            [graph.get_operation_by_name(f"{scope}/{op}") for op in ops],
+            [replacement for op in ops for replacement in instead[op]])
+    return new
 
 
 def _keep_functional(node) -> None:

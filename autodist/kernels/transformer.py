@@ -5,9 +5,12 @@ The stages, each owned by one kernel module:
 1. replicator.import_shared      inputs, non-trainable variables, initial values
 2. storage (partitioner + synchronizer kinds)
                                  each variable part stored as its kind says;
-                                 partitioned variables re-stitched per replica
-3. replicator.replicate          the model once per local replica; state the
-                                 forward pass assigns merged into one write
+                                 partitioned variables that some op reads whole
+                                 re-stitched per replica
+3. replicator.replicate          the model once per local replica, its gathers
+                                 of a variable's rows reading them where they
+                                 are stored; state the forward pass assigns
+                                 merged into one write
 4. accumulator, synchronizer kinds, gradient_processing
                                  gradients weighted by each replica's rows (and
                                  accumulated over runs), cut per part, reduced
@@ -65,6 +68,16 @@ class VariableStorage:
                 return reads[0]
             return partitioner.stitch(reads, self.compiled.plan)
 
+    def gather_rows(self, replica: int, ids: tf.Tensor) -> tf.Tensor:
+        """``tf.gather(variable, ids)`` as replica ``replica`` reads it, where the rows are stored."""
+        if self.compiled.plan is not None:
+            return partitioner.gather_rows([p.readers[replica] for p in self.parts], ids,
+                                           self.compiled.plan)
+        handle = self.handles[replica]
+        with tf.device(handle.device):
+            return tf.raw_ops.ResourceGather(resource=handle, indices=ids,
+                                             dtype=tf.as_dtype(self.compiled.info.dtype))
+
     def initializer(self) -> tf.Operation:
         """Initializes every stored copy of the variable on this node."""
         return tf.group(*[v.initializer for p in self.parts
@@ -101,6 +114,8 @@ class DistributedGraph:
     waits until ``chief_uninitialized`` (names of the chief's variables not yet
     initialized) is empty. Both phases feed ``initial_values`` (placeholder name
     -> a function returning its value): the starting values held outside the graph.
+    ``row_reads`` (variable name -> per replica, the ops gathering its rows where
+    they are stored) come before the variable's update.
     """
 
     graph: tf.Graph
@@ -112,6 +127,7 @@ class DistributedGraph:
     init_ops: tuple = ()
     chief_uninitialized: Optional[tf.Tensor] = None
     initial_values: dict = dataclasses.field(default_factory=dict)
+    row_reads: dict = dataclasses.field(default_factory=dict)
 
     def replica_element(self, name: str, replica: int):
         """The replica's copy of an op or tensor of the original graph."""
@@ -147,8 +163,11 @@ def transform(item: GraphItem, compiled: CompiledStrategy, ctx: KernelContext) -
         for name, variable in compiled.variables.items():
             result.storage[name] = _create_storage(item, variable, ctx,
                                                    per_call[item.call_of.get(name, 0)])
-        state_writes = replicator.replicate(
-            item, ctx, {n: s.handles for n, s in result.storage.items()}, deferred)
+        replicas = replicator.replicate(
+            item, ctx, {n: s.handles for n, s in result.storage.items()},
+            {n: s.gather_rows for n, s in result.storage.items() if item.reads[n].gathers},
+            deferred)
+        result.row_reads, state_writes = replicas.row_reads, replicas.state_writes
         for index, synchronizers in enumerate(per_call):
             accumulation = Accumulation(item.accumulation_steps)
             reduced = _synchronize(result, index, synchronizers, accumulation)
@@ -217,7 +236,9 @@ def _create_storage(item: GraphItem, variable: CompiledVariable, ctx: KernelCont
     handles = []
     for replica in range(ctx.num_replicas):
         readers = [p.readers[replica] for p in parts]
-        if variable.plan is not None:
+        if variable.plan is not None and not item.reads[variable.info.name].whole:
+            handles.append(_unbacked_handle(variable, replica, ctx))
+        elif variable.plan is not None:
             handles.append(_replica_copy_handle(
                 variable, lambda r=readers: partitioner.stitch(
                     [reader.read_value() for reader in r], variable.plan),
@@ -249,6 +270,20 @@ def _replica_copy_handle(variable: CompiledVariable, value, replica: int, label:
             return tf.identity(copy.handle)
 
 
+def _unbacked_handle(variable: CompiledVariable, replica: int, ctx: KernelContext) -> tf.Tensor:
+    """A handle of the variable's shape and dtype that no value backs.
+
+    A partitioned variable that the replica only gathers rows of needs no
+    stitched copy: its gathers read the parts (``VariableStorage.gather_rows``).
+    The ops of the original graph that this handle feeds are left unused by
+    that rewrite; were one run, it would fail on the missing variable.
+    """
+    with tf.device(ctx.replica_tf_device(replica)):
+        name = f"{replica_scope(replica)}/{variable.info.name}/unbacked"
+        return tf.raw_ops.VarHandleOp(dtype=tf.as_dtype(variable.info.dtype),
+                                      shape=variable.info.shape, shared_name=name, name=name)
+
+
 def _same_device(a: str, b: str) -> bool:
     """Whether two device names name one device (a field one leaves out matches any)."""
     spec_a, spec_b = tf.DeviceSpec.from_string(a), tf.DeviceSpec.from_string(b)
@@ -272,7 +307,9 @@ def _synchronize(result: DistributedGraph, call: int, synchronizers: dict,
         ref = item.gradients.get(name)
         if ref is None or item.call_of[name] != call:
             continue
-        per_replica = [_replica_gradient(result, ref, r, storage.compiled.info.shape)
+        row_reads = result.row_reads.get(name)
+        per_replica = [_replica_gradient(result, ref, r, storage.compiled.info.shape,
+                                         row_reads[r] if row_reads else [])
                        for r in range(ctx.num_replicas)]
         if weights:
             per_replica = [_scaled(g, w) for g, w in zip(per_replica, weights)]
@@ -316,8 +353,17 @@ def _scaled(gradient, weight: tf.Tensor):
     return scaled
 
 
-def _replica_gradient(result: DistributedGraph, ref, replica: int, shape: tuple):
+def _replica_gradient(result: DistributedGraph, ref, replica: int, shape: tuple, reads: list):
+    """The replica's gradient of a variable, once its reads of the variable's rows are done.
+
+    Args:
+        reads: the replica's gathers of the variable's rows where they are
+            stored, which the update must not overtake.
+    """
     values = result.replica_element(ref.values, replica)
+    if reads:
+        with tf.device(values.device), tf.control_dependencies(reads):
+            values = tf.identity(values)
     if not ref.sparse:
         # A traced step's gradient may lack its static shape; the kernels need it.
         return values if values.shape.is_fully_defined() else tf.reshape(values, shape)

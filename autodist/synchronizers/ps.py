@@ -213,10 +213,10 @@ class PSSynchronizer(SynchronizerKind):
 #   strategy mixes PS and AllReduce (README), a node sums its replicas' gradients
 #   first and sends one dense ``g``; sparse sums concatenate rows, so they do not
 #   shrink.
-# * pull: each remote replica reads ``v``; a whole sparse-gradient variable is
-#   read by a gather on its server, so only the touched rows travel, but a
-#   partitioned one is read whole, since the partitioner re-stitches its parts
-#   before the lookup. With a local proxy (``local_replication``, a staleness
+# * pull: each remote replica reads ``v``; a sparse-gradient variable that
+#   the model only gathers rows of (``VariableInfo.read_whole`` false) is read
+#   by gathers on the servers of its parts, so only the touched rows travel.
+#   With a local proxy (``local_replication``, a staleness
 #   bound or a split step) each remote node copies the whole part once: one
 #   read feeds all the node's proxies, and TensorFlow's master cuts a graph by
 #   worker, not by device, so the value crosses the network once per node.
@@ -250,8 +250,8 @@ def ps_flows(parts, index: np.ndarray, split_step: bool) -> PSFlows:
     proxy = parts.proxy[index] | split_step
     sparse = parts.sparse[index]
     grad_bytes = parts.grad_bytes[index]
-    partitioned = np.bincount(parts.row, minlength=len(parts.variables))[parts.row[index]] > 1
-    read = np.where(sparse & ~proxy & ~partitioned, grad_bytes, parts.value_bytes[index])
+    read = np.where(sparse & ~proxy & ~parts.read_whole[index], grad_bytes,
+                    parts.value_bytes[index])
     return PSFlows(parts.server[index], (parts.aggregate[index] | split_step) & ~sparse, proxy,
                    np.where(parts.has_grad[index], grad_bytes, 0.0),
                    read / (parts.staleness[index] + 1))

@@ -1,0 +1,182 @@
+"""Gathers of a partitioned table read the rows they name from the parts owning them.
+
+A replica's ``tf.gather`` / ``embedding_lookup`` / Keras ``Embedding`` of a
+partitioned variable routes its ids to the parts and stitches the rows back;
+only a variable something reads whole gets a stitched copy. Each case checks
+the rewrite happened (which ops read which parts, what a step's tensors
+weigh) and that training equals single-device training.
+"""
+from __future__ import annotations
+
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import models
+from autodist import AutoDist
+from autodist.strategy import PartitionedPS, UnevenPartitionedPS
+from autodist.strategy import common
+from autodist.strategy.ps_builders import sharded_ps_node_configs
+from test_equivalence import OPTIMIZERS, train_single
+from test_keras import assert_same, snapshot
+
+tf1 = tf.compat.v1
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+STEPS = 3
+
+
+class ThreePartPS(UnevenPartitionedPS):
+    """Every variable of 3 rows or more in 3 parts, on one node's PS device."""
+
+    def _node_configs(self, variables, ps_devices):
+        return list(sharded_ps_node_configs(
+            variables, ps_devices, self._ps,
+            lambda shape, num_ps: 3 if len(shape) and shape[0] >= 3 else 1).values())
+
+
+def train(spec: str, builder, model: str, optimizer: str):
+    """(losses per step, final values, the distributed graph) of an AutoDist run."""
+    ad = AutoDist(resource_spec_file=spec, strategy_builder=builder)
+    with tf.Graph().as_default(), ad.scope():
+        built = models.MODELS[model](OPTIMIZERS[optimizer])
+        with ad.create_distributed_session() as sess:
+            losses = [sess.run([built.loss, built.train_op], built.feeds)[0]
+                      for _ in range(STEPS)]
+            return losses, sess.run(built.variables), sess.distributed
+
+
+def gathers_by_variable(graph: tf.Graph) -> dict:
+    """Variable op name -> names of the ResourceGather ops reading it (through any Identity)."""
+    found = {}
+    for op in graph.get_operations():
+        if op.type != "ResourceGather":
+            continue
+        source = op.inputs[0].op
+        while source.type == "Identity":
+            source = source.inputs[0].op
+        found.setdefault(source.name, []).append(op.name)
+    return found
+
+
+def variable_names(graph: tf.Graph) -> set:
+    return {op.name for op in graph.get_operations() if op.type == "VarHandleOp"}
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
+@pytest.mark.parametrize("builder, parts", [(UnevenPartitionedPS, 2), (ThreePartPS, 3)],
+                         ids=["UnevenPartitionedPS", "3 parts"])
+def test_gathers_read_the_parts_and_train_as_on_one_device(spec_path, builder, parts, optimizer):
+    want_losses, _, want = train_single("gathered", optimizer, STEPS)
+    losses, got, distributed = train(spec_path, builder(), "gathered", optimizer)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5, atol=1e-5)
+    for name, g, w in zip(["table", "tied", "out"], got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=name)
+
+    graph = distributed.graph
+    stored = variable_names(graph)
+    table_parts = sorted(n for n in stored if re.fullmatch(r"table/part_\d+", n))
+    assert len(table_parts) == parts
+    gathers = gathers_by_variable(graph)
+    for part in table_parts:
+        # One gather per replica reads each part where it is stored.
+        readers = [g for g in gathers.get(part, []) if "where_stored" in g]
+        assert sorted(r.split("/")[0] for r in readers) == [
+            "AutoDist-Replica-0", "AutoDist-Replica-1"], (part, gathers)
+        assert graph.get_operation_by_name(readers[0]).device == \
+            graph.get_operation_by_name(part).device
+    # Only the table something reads whole has a full-size copy per replica.
+    assert not [n for n in stored if n.startswith("AutoDist-Replica") and "table/stitched" in n]
+    assert len([n for n in stored if n.endswith("tied/stitched")]) == 2
+    assert any("tied/part_" in p for p in gathers)
+
+
+def step_tensor_bytes(spec: str, rows: int) -> tuple:
+    """(all tensors a traced step produced, its largest one), in bytes, for a table of ``rows``."""
+    ad = AutoDist(resource_spec_file=spec, strategy_builder=PartitionedPS())
+    with tf.Graph().as_default(), ad.scope():
+        ids = tf1.placeholder(tf.int32, [None], name="ids")
+        table = tf1.get_variable("table", [rows, 32], use_resource=True,
+                                 initializer=tf1.random_normal_initializer(seed=1))
+        loss = tf.reduce_mean(tf.square(tf.nn.embedding_lookup(table, ids)))
+        train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        feeds = {ids: np.arange(0, rows, rows // 64, dtype=np.int32)[:64]}
+        with ad.create_distributed_session() as sess:
+            sess.run(train_op, feeds)
+            metadata = tf1.RunMetadata()
+            sess.run(train_op, feeds, options=tf1.RunOptions(trace_level=tf1.RunOptions.FULL_TRACE),
+                     run_metadata=metadata)
+    sizes = [out.tensor_description.allocation_description.requested_bytes
+             for device in metadata.step_stats.dev_stats for node in device.node_stats
+             for out in node.output]
+    return sum(sizes), max(sizes)
+
+
+def test_a_step_moves_the_rows_it_touches_not_the_table(spec_path):
+    """64 rows of 128 bytes are read and updated per step, whatever the table's size."""
+    small_total, small_largest = step_tensor_bytes(spec_path, 4096)
+    large_total, large_largest = step_tensor_bytes(spec_path, 65536)
+    table_bytes = 65536 * 32 * 4
+    assert large_largest < 64 * 32 * 4 * 2, large_largest
+    assert large_total < table_bytes / 20, (large_total, table_bytes)
+    assert large_total < 1.5 * small_total, (small_total, large_total)
+
+
+# ----------------------------------------------------------------------------- Keras
+
+VOCABULARY, BATCH, ROWS = 40, 8, 32
+
+
+def tied_model(optimizer: str, tied: bool) -> keras.Model:
+    """An embedding, pooled, then a dense head; ``tied``: the head also multiplies the table."""
+    keras.utils.set_random_seed(3)
+    ids = keras.Input((5,), dtype="int32")
+    embedding = keras.layers.Embedding(VOCABULARY, 6, name="tokens")
+    hidden = keras.layers.GlobalAveragePooling1D()(embedding(ids))
+    if tied:
+        hidden = keras.layers.Lambda(
+            lambda h: tf.concat([h, tf.matmul(h, embedding.embeddings, transpose_b=True)], 1))(
+                hidden)
+    model = keras.Model(ids, keras.layers.Dense(1, name="out")(hidden))
+    model.compile(optimizer=keras.optimizers.get({"class_name": optimizer,
+                                                  "config": {"learning_rate": 0.05}}),
+                  loss="mse", metrics=["mae"])
+    return model
+
+
+def keras_data():
+    rng = np.random.default_rng(4)
+    # Low ids are frequent: every batch repeats some within and across replicas.
+    ids = np.minimum(rng.geometric(0.15, (ROWS, 5)), VOCABULARY - 1).astype(np.int32)
+    return ids, rng.normal(size=(ROWS, 1)).astype(np.float32)
+
+
+@pytest.mark.parametrize("optimizer", ["SGD", "Adagrad", "Adam"])
+@pytest.mark.parametrize("tied", [False, True], ids=["gathered", "tied"])
+def test_keras_embedding_of_a_partitioned_table_fits_as_on_one_device(spec_path, optimizer, tied):
+    x, y = keras_data()
+    runs = []
+    for distributed in (False, True):
+        if distributed:
+            ad = AutoDist(resource_spec_file=spec_path, strategy_builder=PartitionedPS())
+            with ad.scope():
+                model = tied_model(optimizer, tied)
+        else:
+            model = tied_model(optimizer, tied)
+        history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        runs.append((snapshot(model, model.optimizer, history.history), model))
+    (want, _), (got, model) = runs
+    assert_same(got, want, f"{optimizer}, tied={tied}")
+
+    graph = model._autodist_fit.step.session.distributed.graph  # pylint: disable=protected-access
+    stored = variable_names(graph)
+    gathers = gathers_by_variable(graph)
+    assert {"tokens/embeddings/part_0", "tokens/embeddings/part_1"} <= stored
+    assert all(len([g for g in gathers.get(f"tokens/embeddings/part_{i}", [])
+                    if "where_stored" in g]) == 2 for i in (0, 1)), gathers
+    stitched = [n for n in stored if n.endswith("tokens/embeddings/stitched")]
+    assert len(stitched) == (2 if tied else 0), stitched
