@@ -18,6 +18,7 @@ training script, for ``search`` and ``explain``.
 """
 
 import argparse
+import shlex
 import sys
 from typing import Callable, Sequence
 
@@ -42,8 +43,10 @@ def _emulate_up(args: argparse.Namespace) -> int:
         except ValueError:
             raise ValueError(f"--cpus is {','.join(cpus_text)!r}, but it must be a positive integer or a "
                              "comma list with one per node, e.g. '--cpus 2'.") from None
-        emulate.check_arguments(args.nodes, bandwidth, args.name, cpus, args.latency)
-    cluster = emulate.up(args.nodes, bandwidth, name=args.name, cpus_per_node=cpus, latency=args.latency)
+        memory = _split(args.memory) or None
+        emulate.check_arguments(args.nodes, bandwidth, args.name, cpus, args.latency, memory)
+    cluster = emulate.up(args.nodes, bandwidth, name=args.name, cpus_per_node=cpus, latency=args.latency,
+                         memory=memory)
     try:
         with open(args.out, "w", encoding="utf-8") as f:
             yaml.safe_dump(emulate.spec_dict(cluster), f, sort_keys=False, default_flow_style=None)
@@ -54,11 +57,12 @@ def _emulate_up(args: argparse.Namespace) -> int:
           f"{emulate.PREFIX_LEN}, bridge in namespace {cluster.bridge_namespace}"
           + (f", latency {cluster.latency} per host link" if cluster.latency else ""))
     for host in cluster.hosts:
+        cap = "" if host.memory_bytes is None else f"  memory {host.memory_bytes / 2 ** 30:g} GiB"
         print(f"  {host.name:<5} {host.namespace:<12} {host.address:<14} {host.bandwidth_gbit:g} Gbit/s  "
-              f"{host.num_cpus} cpu(s)")
+              f"{host.num_cpus} cpu(s){cap}")
     chief = cluster.hosts[0]
     print(f"Resource spec written to {args.out}. Run the chief inside its namespace, e.g.\n"
-          f"  {' '.join(chief.launch_prefix)} python train.py\n"
+          f"  {shlex.join(chief.launch_prefix)} python train.py\n"
           f"Remove the cluster with: autodist emulate down --name {cluster.name}")
     return 0
 
@@ -89,6 +93,10 @@ def _add_emulate(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--cpus", action="append", metavar="K",
                     help="CPU replicas per host; one for all, or one per host (default: 1)")
     up.add_argument("--latency", help="one-way delay per host link, e.g. 1ms (needs the kernel's sch_netem)")
+    up.add_argument("--memory", action="append", metavar="SIZE",
+                    help="memory cap of each host's processes together, e.g. 3g (a memory cgroup; "
+                         "the kernel kills a process that would exceed it); one for all hosts, or one "
+                         "per host (default: none)")
     up.add_argument("--name", default="ad", help="cluster name, the prefix of its namespaces (default: ad)")
     up.add_argument("--out", required=True, help="path of the resource spec YAML to write")
     up.set_defaults(func=_emulate_up, usage_parser=up)

@@ -27,6 +27,9 @@ class VariableInfo:
         read_whole: whether an op of the model reads its whole value; False
             when it only gathers rows of it (``VariableReads``), so that a
             step reads the rows it touches wherever the variable is stored.
+        updates_rows: whether the optimizer's update writes only the rows its
+            sparse gradient names (a scatter, as SGD's; Adam's writes every
+            row), so that a copy of the variable stays in step by those rows.
     """
 
     name: str
@@ -36,6 +39,7 @@ class VariableInfo:
     has_grad: bool = True
     ready_rank: int = 0
     read_whole: bool = False
+    updates_rows: bool = False
 
     @property
     def num_elements(self) -> int:
@@ -284,6 +288,7 @@ class GraphItem:
         self._mark_same_rows()
         self.reads = self._variable_reads()
         ranks = self._ready_ranks()
+        updates_rows = self._updated_by_rows()
         self.trainable_variables = [
             VariableInfo(name=v.op.name, shape=tuple(v.shape.as_list()),
                          dtype=v.dtype.base_dtype.name,
@@ -291,7 +296,8 @@ class GraphItem:
                              v.op.name, GradientRef("")).synchronized_sparse,
                          has_grad=v.op.name in self.gradients,
                          ready_rank=ranks.get(v.op.name, 0),
-                         read_whole=self.reads[v.op.name].whole)
+                         read_whole=self.reads[v.op.name].whole,
+                         updates_rows=v.op.name in updates_rows)
             for v in self._trainables]
         # optimizer call index -> its gradient processing, where it has one
         self.processing = {index: self._processing(call)
@@ -336,7 +342,7 @@ class GraphItem:
         for name in self.variables:
             gathers, unused, whole = [], [], bool(control.get(name))
             for user in data.get(name, []):
-                if user.op == "ResourceGather" and not user.attr["batch_dims"].i:
+                if user.op == "ResourceGather" and not _batch_dims(user):
                     gathers.append(RowGather(user.name))
                 elif user.op == "ReadVariableOp" and not data.get(user.name):
                     unused.append(user.name)
@@ -353,6 +359,26 @@ class GraphItem:
             reads[name] = VariableReads(tuple(gathers), tuple(unused), whole,
                                         {k: tuple(v) for k, v in waiting.items()})
         return reads
+
+    def _updated_by_rows(self) -> frozenset:
+        """Variables synchronized as IndexedSlices whose update only scatters into them.
+
+        Judged from the single-device update's ops on the variable's handle:
+        reads, and writes at the gradient's rows (``ResourceScatter*``,
+        ``ResourceSparseApply*``); any other write (an assign of the whole
+        value, a dense apply) changes rows the gradient does not name.
+        """
+        sparse = {name for name, ref in self.gradients.items() if ref.synchronized_sparse}
+        writes = {name: [] for name in sparse}
+        for name in self.update_op_names:
+            node = self._nodes.get(name)
+            if node is None or not node.input:
+                continue
+            target = through_identities(self._nodes, node.input[0])
+            if target in writes and node.op not in _READS:
+                writes[target].append(node.op)
+        return frozenset(name for name, ops in writes.items()
+                         if ops and all(op.startswith(_ROW_WRITES) for op in ops))
 
     def _loss_scale_reads(self) -> frozenset:
         scales = {call.loss_scale for call in self.optimizer_calls if call.loss_scale}
@@ -539,9 +565,14 @@ def through_identities(nodes: dict, name: str) -> str:
     return name
 
 
+def _batch_dims(node) -> int:
+    """A gather's ``batch_dims`` (read without adding the attribute to the NodeDef)."""
+    return node.attr["batch_dims"].i if "batch_dims" in node.attr else 0
+
+
 def _gathers_rows(nodes: dict, node, params: str) -> bool:
     """Whether ``node`` is ``GatherV2(params, ids, axis=0)`` with no batch dimensions."""
-    if node.op != "GatherV2" or node.attr["batch_dims"].i:
+    if node.op != "GatherV2" or _batch_dims(node):
         return False
     inputs = [i for i in node.input if not i.startswith("^")]
     axis = nodes.get(op_name(inputs[2]))
@@ -575,6 +606,12 @@ RESOURCE_WRITES = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariable
                    "ResourceScatterMul", "ResourceScatterDiv", "ResourceScatterMin",
                    "ResourceScatterMax", "ResourceScatterNdUpdate", "ResourceScatterNdAdd",
                    "ResourceScatterNdSub")
+
+# Ops reading a resource variable (the first input) without writing it.
+_READS = ("ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
+          "VarIsInitializedOp")
+# Prefixes of the ops writing a resource variable at given rows only.
+_ROW_WRITES = ("ResourceScatter", "ResourceSparseApply")
 
 # How a tensor depends on a replica's rows: not at all, only through the batch
 # dimension of a shape vector (element 0 of ``tf.shape(batch)``), or otherwise.

@@ -219,6 +219,9 @@ def main() -> None:
             value, _ = sess.run([loss, train], {t: b[rows] for t, b in zip(inputs, batch)})
             print(f"node {ad.node_index} step {step} loss {value:.6f}", flush=True)
         values = sess.run(variables)
+        rows, whole = proxy_refreshes(sess.distributed.graph, "embedding")
+        print(f"node {ad.node_index} refreshes the embedding's proxies by rows {rows} "
+              f"whole {whole}", flush=True)
         if args.save:
             saver.save(sess, args.save)
         if args.all_variables and ad.is_chief:
@@ -242,6 +245,21 @@ def train_gan(ad, args, rows: slice) -> None:
             print(f"node {ad.node_index} step {step} done", flush=True)
         if ad.is_chief:
             save_by_name(args.out, sess, variables)
+
+
+def proxy_refreshes(graph, variable: str) -> tuple:
+    """(scatters of given rows, assigns of the whole value) into ``variable``'s proxies after
+    initialization, in a node's distributed graph."""
+    rows = whole = 0
+    for op in graph.get_operations():
+        target = op.inputs[0].op.name if op.inputs else ""
+        if variable not in target or not target.endswith("/proxy"):
+            continue
+        if op.type == "ResourceScatterUpdate":
+            rows += 1
+        elif op.type == "AssignVariableOp" and not op.name.endswith("/Assign"):
+            whole += 1
+    return rows, whole
 
 
 def save_by_name(path: str, sess, variables: list) -> None:

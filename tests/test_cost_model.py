@@ -350,7 +350,7 @@ def test_replicas_next_to_the_server_use_the_local_bus():
     assert got == pytest.approx(seconds(2 * MB4 + 2 * MB4, 50) + OVERHEAD)
 
 
-def test_sparse_ps_moves_touched_rows_but_a_proxy_copies_the_whole_part():
+def test_sparse_ps_moves_touched_rows_but_a_proxy_copies_the_whole_part_unless_rows():
     emb = [VariableInfo("emb", (1000, 64), "float32", sparse_grad=True)]
     dest = f"{A}:CPU:0"
     rows = predict(strategy_of(ONE_PLUS_THREE, common.ps_node_config("emb", dest)),
@@ -361,6 +361,13 @@ def test_sparse_ps_moves_touched_rows_but_a_proxy_copies_the_whole_part():
                     emb, ONE_PLUS_THREE, batch_size=10)
     assert proxy == pytest.approx(seconds(touched, 1) + seconds(1000 * 256, 1) + OVERHEAD
                                   + SERVING)
+    # An update writing only the gradient's rows (SGD's scatter): B's proxy copies those,
+    # every replica's, A's too.
+    scattered = [VariableInfo("emb", (1000, 64), "float32", sparse_grad=True, updates_rows=True)]
+    by_rows = predict(strategy_of(ONE_PLUS_THREE, common.ps_node_config("emb", dest, True)),
+                      scattered, ONE_PLUS_THREE, batch_size=10)
+    assert by_rows == pytest.approx(seconds(touched, 1) + seconds(4 * 10 * 256, 1) + OVERHEAD
+                                    + SERVING)
 
 
 @pytest.mark.parametrize("read_whole", [False, True], ids=["gathered", "also read whole"])

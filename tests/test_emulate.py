@@ -107,7 +107,22 @@ def test_parse_rate_rejects(bad):
         emulate.parse_rate(bad)
 
 
+@pytest.mark.parametrize("text, count", [
+    ("3g", 3 * 2 ** 30), ("512m", 512 * 2 ** 20), ("1.5G", int(1.5 * 2 ** 30)), ("2gb", 2 * 2 ** 30),
+    ("1gib", 2 ** 30), (" 100m ", 100 * 2 ** 20), (2 ** 30, 2 ** 30)])
+def test_parse_memory(text, count):
+    assert emulate.parse_memory(text) == count
+
+
+@pytest.mark.parametrize("bad", ["", "g", "3 gigabytes", "-1g", "10m", 1000, None, True, "1e3m"])
+def test_parse_memory_rejects(bad):
+    with pytest.raises(ValueError, match="Memory"):
+        emulate.parse_memory(bad)
+
+
 @pytest.mark.parametrize("kwargs, match", [
+    (dict(num_nodes=2, memory="lots"), "Memory 'lots'"),
+    (dict(num_nodes=2, memory=["1g", "1g", "1g"]), "one per node"),
     (dict(num_nodes=0), "num_nodes"),
     (dict(num_nodes=254), "num_nodes"),
     (dict(num_nodes=3, bandwidth=["1gbit", "2gbit"]), "one per node"),
@@ -151,6 +166,8 @@ def test_spec_dict_is_a_valid_resource_spec():
     (["--nodes", "2", "--cpus", "x"], "--cpus is 'x'"),
     (["--nodes", "0"], "num_nodes is 0"),
     (["--nodes", "2", "--latency", "soon"], "latency is 'soon'"),
+    (["--nodes", "2", "--memory", "3gigs"], "Memory '3gigs'"),
+    (["--nodes", "2", "--memory", "1g,2g,3g"], "one per node"),
 ])
 def test_cli_refuses_bad_option_values_as_usage_errors(tmp_path, capsys, options, message):
     # Refused before anything is built (and without root): status 2, as for a value that does not parse.
@@ -299,7 +316,8 @@ def test_cli_up_and_down(tmp_path, capsys):
         status = cli.main(["emulate", "up", "--nodes", "2", "--bandwidth", "1gbit", "--bandwidth", "500mbit",
                            "--cpus", "2", "--name", name, "--out", str(out)])
         assert status == 0, capsys.readouterr().err
-        assert "adtestcli-h2" in capsys.readouterr().out
+        printed = capsys.readouterr().out
+        assert "adtestcli-h2" in printed and "memory" not in printed
         spec = ResourceSpec(str(out))
         assert spec.network_bandwidth == {"10.123.0.1": 1.0, "10.123.0.2": 0.5}
         assert spec.node("10.123.0.2").cpus == (0, 1)
@@ -319,3 +337,47 @@ def test_python_m_autodist_cli_runs():
                             capture_output=True, text=True, timeout=110)
     assert result.returncode == 0, result.stderr
     assert "nothing to remove" in result.stdout
+
+
+# Allocates argv[1] MiB, touching every page, then says so.
+_ALLOCATE = r"""
+import sys
+block = bytearray(int(sys.argv[1]) * 2 ** 20)
+block[::4096] = b"x" * len(block[::4096])
+print("held", sys.argv[1], flush=True)
+"""
+
+
+@needs_root
+@pytest.mark.timeout(120)
+def test_a_memory_cap_holds_every_process_of_a_host_and_is_removed_by_down(tmp_path):
+    name = "adtestmem"
+    emulate.down(name)
+    try:
+        try:
+            cluster = emulate.up(2, "1gbit", name=name, memory=["256m", "1g"])
+        except emulate.EmulationError as e:
+            assert "memory cgroup" in str(e)
+            pytest.skip(f"no memory cgroup controller here: {e}")
+        capped, roomy = cluster.hosts
+        assert capped.memory_bytes == 256 * 2 ** 20 and roomy.memory_bytes == 2 ** 30
+        run = lambda host, mib: subprocess.run(  # noqa: E731
+            [*host.launch_prefix, sys.executable, "-c", _ALLOCATE, str(mib)],
+            capture_output=True, text=True, timeout=60)
+        # Processes started through the prefix run in the host's namespace and cgroup.
+        inside = subprocess.run([*capped.launch_prefix, "sh", "-c", "cat /proc/self/cgroup; ip -br addr"],
+                                capture_output=True, text=True, timeout=30)
+        assert f"autodist-{name}-h1" in inside.stdout and capped.address in inside.stdout
+        assert run(capped, 128).stdout.strip() == "held 128"
+        over = run(capped, 400)
+        assert over.returncode == -9 and "held" not in over.stdout
+        assert emulate.oom_kills(capped) >= 1 and emulate.oom_kills(roomy) == 0
+        assert run(roomy, 400).stdout.strip() == "held 400"
+        # The spec carries the prefix; a user's shell command from the CLI's hint runs it too.
+        spec = ResourceSpec.from_dict(emulate.spec_dict(cluster))
+        assert spec.node(capped.address).launch_prefix == tuple(capped.launch_prefix)
+    finally:
+        emulate.down(name)
+    assert not os.path.exists(capped.cgroup)
+    with open("/proc/self/mounts", encoding="utf-8") as mounts:
+        assert emulate.CGROUP_MOUNT not in mounts.read()  # no capped cluster is left

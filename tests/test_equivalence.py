@@ -79,7 +79,7 @@ def train_single(model: str, optimizer: str, steps: int = STEPS):
 
 
 def train_autodist(spec: str, builder, model: str, optimizer: str, steps: int = STEPS):
-    """AutoDist run: (losses per step, final values, the strategy used)."""
+    """AutoDist run: (losses per step, final values, the strategy used, the distributed graph)."""
     ad = AutoDist(resource_spec_file=spec, strategy_builder=builder)
     with tf.Graph().as_default(), ad.scope():
         built = models.MODELS[model](OPTIMIZERS[optimizer])
@@ -87,13 +87,13 @@ def train_autodist(spec: str, builder, model: str, optimizer: str, steps: int = 
         with ad.create_distributed_session() as sess:
             losses = [sess.run([built.loss, built.train_op], built.feeds)[0]
                       for _ in range(steps)]
-            return losses, sess.run(built.variables), ad.strategy
+            return losses, sess.run(built.variables), ad.strategy, sess.distributed
 
 
 def assert_equivalent(spec, builder, model, optimizer, atol=ATOL, rtol=RTOL):
     """Trains both ways and compares; returns the AutoDist strategy."""
     want_losses, _, want = train_single(model, optimizer)
-    losses, got, strategy = train_autodist(spec, builder, model, optimizer)
+    losses, got, strategy, _ = train_autodist(spec, builder, model, optimizer)
     np.testing.assert_allclose(losses, want_losses, rtol=rtol, atol=atol,
                                err_msg="per-step loss (mean over replicas)")
     assert len(got) == len(want)
@@ -236,7 +236,7 @@ def test_fp16_compressors_stay_close_to_single_device(spec_path, compressor, mod
     _, initial, want = train_single(model, optimizer)
     moved = max(np.abs(w - i).max() for w, i in zip(want, initial))
     assert moved > 10 * FP16_TOL, "the check would be vacuous: variables barely move"
-    _, got, strategy = train_autodist(spec_path, AllReduce(compressor=compressor), model,
+    _, got, strategy, _ = train_autodist(spec_path, AllReduce(compressor=compressor), model,
                                       optimizer)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=FP16_TOL, atol=FP16_TOL)

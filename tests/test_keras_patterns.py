@@ -23,8 +23,8 @@ import tensorflow as tf
 
 from autodist import AutoDist
 from autodist.graph_item import GraphItem
-from autodist.strategy import PS, AllReduce, Parallax, PartitionedPS
-from test_keras import BUILDERS, Trained, assert_same, snapshot
+from autodist.strategy import AllReduce, PartitionedPS
+from test_keras import BUILDERS, assert_same, snapshot
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

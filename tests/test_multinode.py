@@ -141,6 +141,26 @@ def test_nodes_summing_their_replicas_first_train_like_one_device(three_nodes, t
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("optimizer, by_rows", [("sgd", True), ("adam", False)])
+@pytest.mark.parametrize("builder", ["Parallax", "SummedPerNodePS"])
+def test_proxies_of_a_table_follow_the_rows_its_update_writes(three_nodes, tmp_path, builder,
+                                                             optimizer, by_rows):
+    """SGD scatters into the rows of the table's gradient: every node refreshes its
+    proxies of the table by those rows alone. Adam writes every row: whole refreshes."""
+    cluster, spec = three_nodes
+    out = tmp_path / "variables.npz"
+    done = _run_job(cluster, spec, builder, out, "--optimizer", optimizer, "--all-variables")
+    assert done.returncode == 0, done.stderr[-3000:]
+    _assert_all_variables_equal(out, cluster_job.single_device_state(4, STEPS, optimizer=optimizer))
+    for node in range(3):
+        refreshes = re.search(rf"node {node} refreshes the embedding's proxies by rows (\d+) "
+                              r"whole (\d+)", done.stdout)
+        rows, whole = int(refreshes.group(1)), int(refreshes.group(2))
+        assert (rows > 0 and whole == 0) if by_rows else (rows == 0 and whole > 0), (node, rows, whole)
+    _assert_no_job_left()
+
+
+@pytest.mark.timeout(240)
 def test_no_node_reaches_a_tensorflow_server_before_it_listens(three_nodes, tmp_path):
     """Every gRPC channel between the nodes' TF servers connects at its first attempt.
 
@@ -215,6 +235,7 @@ def test_a_killed_worker_is_reported_by_name(two_nodes, tmp_path):
     assert done.returncode != 0
     worker = cluster.hosts[1].address
     assert "WorkerFailedError" in done.stderr and worker in done.stderr, done.stderr[-3000:]
+    assert "killed by SIGKILL (the kernel's out-of-memory killer" in done.stderr
     died = float(re.search(r"node 1 dies at ([0-9.]+)", done.stdout).group(1))
     assert ended - died < 30, f"the chief took {ended - died:.1f} s to report the dead worker"
     _assert_no_job_left()
@@ -535,3 +556,51 @@ def test_only_the_jobs_nodes_reach_its_tensorflow_servers(three_nodes, tmp_path)
         time.sleep(0.2)
     assert not left()
     _assert_no_job_left()
+
+
+# A replicated 512 MB table, more than a 600 MB host holds beside TensorFlow itself.
+_BIG_TABLE_JOB = """
+import sys
+import numpy as np
+import tensorflow as tf
+from autodist import AutoDist
+from autodist.strategy import AllReduce
+tf1 = tf.compat.v1
+ad = AutoDist(resource_spec_file=sys.argv[1], strategy_builder=AllReduce())
+with tf.Graph().as_default(), ad.scope():
+    ids = tf1.placeholder(tf.int32, [None], name="ids")
+    table = tf1.get_variable("table", [2 ** 19, 256], use_resource=True,
+                             initializer=tf1.zeros_initializer())
+    loss = tf.reduce_sum(tf.gather(table, ids))
+    train = tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    sess = ad.create_distributed_session()
+    sess.run(train, {ids: np.arange(4, dtype=np.int32)})
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_over_its_hosts_memory_cap_is_reported_as_out_of_memory(tmp_path):
+    name = "adtmem"
+    emulate.down(name)
+    try:
+        cluster = emulate.up(2, "1gbit", name=name, memory=["16g", "600m"])
+    except emulate.EmulationError as e:
+        if "needs a memory cgroup controller" not in str(e):
+            raise
+        pytest.skip(f"no memory cgroup controller here: {e}")
+    spec, job = tmp_path / "spec.yml", tmp_path / "big_table_job.py"
+    spec.write_text(yaml.safe_dump(emulate.spec_dict(cluster)))
+    job.write_text(_BIG_TABLE_JOB)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    try:
+        done = subprocess.run([*cluster.hosts[0].launch_prefix, sys.executable, str(job), str(spec)],
+                              capture_output=True, text=True, timeout=200, env=env)
+        kills = [emulate.oom_kills(host) for host in cluster.hosts]
+    finally:
+        emulate.down(name)
+    assert done.returncode != 0
+    assert "WorkerFailedError" in done.stderr and cluster.hosts[1].address in done.stderr, \
+        done.stderr[-3000:]
+    assert "killed by SIGKILL (the kernel's out-of-memory killer" in done.stderr
+    assert kills[0] == 0 and kills[1] >= 1, kills
+    clusters.assert_no_process_left(str(job))

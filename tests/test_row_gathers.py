@@ -15,13 +15,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import models
 from autodist import AutoDist
-from autodist.strategy import PartitionedPS, UnevenPartitionedPS
-from autodist.strategy import common
+from autodist.strategy import PS, PartitionedPS, UnevenPartitionedPS
 from autodist.strategy.ps_builders import sharded_ps_node_configs
-from test_equivalence import OPTIMIZERS, train_single
-from test_keras import assert_same, snapshot
+from test_equivalence import train_autodist, train_single
+from test_keras import assert_same
+from test_keras_patterns import ROWS, fit_both
 
 tf1 = tf.compat.v1
 
@@ -37,17 +36,6 @@ class ThreePartPS(UnevenPartitionedPS):
         return list(sharded_ps_node_configs(
             variables, ps_devices, self._ps,
             lambda shape, num_ps: 3 if len(shape) and shape[0] >= 3 else 1).values())
-
-
-def train(spec: str, builder, model: str, optimizer: str):
-    """(losses per step, final values, the distributed graph) of an AutoDist run."""
-    ad = AutoDist(resource_spec_file=spec, strategy_builder=builder)
-    with tf.Graph().as_default(), ad.scope():
-        built = models.MODELS[model](OPTIMIZERS[optimizer])
-        with ad.create_distributed_session() as sess:
-            losses = [sess.run([built.loss, built.train_op], built.feeds)[0]
-                      for _ in range(STEPS)]
-            return losses, sess.run(built.variables), sess.distributed
 
 
 def gathers_by_variable(graph: tf.Graph) -> dict:
@@ -72,7 +60,7 @@ def variable_names(graph: tf.Graph) -> set:
                          ids=["UnevenPartitionedPS", "3 parts"])
 def test_gathers_read_the_parts_and_train_as_on_one_device(spec_path, builder, parts, optimizer):
     want_losses, _, want = train_single("gathered", optimizer, STEPS)
-    losses, got, distributed = train(spec_path, builder(), "gathered", optimizer)
+    losses, got, _, distributed = train_autodist(spec_path, builder(), "gathered", optimizer, STEPS)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5, atol=1e-5)
     for name, g, w in zip(["table", "tied", "out"], got, want):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=name)
@@ -95,9 +83,9 @@ def test_gathers_read_the_parts_and_train_as_on_one_device(spec_path, builder, p
     assert any("tied/part_" in p for p in gathers)
 
 
-def step_tensor_bytes(spec: str, rows: int) -> tuple:
+def step_tensor_bytes(spec: str, builder, rows: int) -> tuple:
     """(all tensors a traced step produced, its largest one), in bytes, for a table of ``rows``."""
-    ad = AutoDist(resource_spec_file=spec, strategy_builder=PartitionedPS())
+    ad = AutoDist(resource_spec_file=spec, strategy_builder=builder)
     with tf.Graph().as_default(), ad.scope():
         ids = tf1.placeholder(tf.int32, [None], name="ids")
         table = tf1.get_variable("table", [rows, 32], use_resource=True,
@@ -116,10 +104,13 @@ def step_tensor_bytes(spec: str, rows: int) -> tuple:
     return sum(sizes), max(sizes)
 
 
-def test_a_step_moves_the_rows_it_touches_not_the_table(spec_path):
-    """64 rows of 128 bytes are read and updated per step, whatever the table's size."""
-    small_total, small_largest = step_tensor_bytes(spec_path, 4096)
-    large_total, large_largest = step_tensor_bytes(spec_path, 65536)
+@pytest.mark.parametrize("builder", [PartitionedPS, lambda: PS(local_proxy_variable=True)],
+                         ids=["PartitionedPS", "PS with proxies"])
+def test_a_step_moves_the_rows_it_touches_not_the_table(spec_path, builder):
+    """64 rows of 128 bytes are read and updated per step, whatever the table's size; with
+    proxies, SGD's scatter into those rows is all a proxy's refresh copies."""
+    small_total, _ = step_tensor_bytes(spec_path, builder(), 4096)
+    large_total, large_largest = step_tensor_bytes(spec_path, builder(), 65536)
     table_bytes = 65536 * 32 * 4
     assert large_largest < 64 * 32 * 4 * 2, large_largest
     assert large_total < table_bytes / 20, (large_total, table_bytes)
@@ -128,7 +119,7 @@ def test_a_step_moves_the_rows_it_touches_not_the_table(spec_path):
 
 # ----------------------------------------------------------------------------- Keras
 
-VOCABULARY, BATCH, ROWS = 40, 8, 32
+VOCABULARY = 40
 
 
 def tied_model(optimizer: str, tied: bool) -> keras.Model:
@@ -159,17 +150,8 @@ def keras_data():
 @pytest.mark.parametrize("tied", [False, True], ids=["gathered", "tied"])
 def test_keras_embedding_of_a_partitioned_table_fits_as_on_one_device(spec_path, optimizer, tied):
     x, y = keras_data()
-    runs = []
-    for distributed in (False, True):
-        if distributed:
-            ad = AutoDist(resource_spec_file=spec_path, strategy_builder=PartitionedPS())
-            with ad.scope():
-                model = tied_model(optimizer, tied)
-        else:
-            model = tied_model(optimizer, tied)
-        history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-        runs.append((snapshot(model, model.optimizer, history.history), model))
-    (want, _), (got, model) = runs
+    (want, _), (got, model) = fit_both(spec_path, PartitionedPS(),
+                                       lambda: tied_model(optimizer, tied), x, y, epochs=2)
     assert_same(got, want, f"{optimizer}, tied={tied}")
 
     graph = model._autodist_fit.step.session.distributed.graph  # pylint: disable=protected-access

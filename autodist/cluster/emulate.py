@@ -10,7 +10,12 @@
 * a tbf qdisc on ``eth0`` and on ``p<i>``, so the host's link is limited to its
   bandwidth in both directions; hosts may have different bandwidths;
 * ``/etc/netns/ad-h<i>/hosts``, which ``ip netns exec`` bind-mounts over
-  ``/etc/hosts``, so every host resolves the others as ``h1`` .. ``hN``.
+  ``/etc/hosts``, so every host resolves the others as ``h1`` .. ``hN``;
+* with a ``memory`` cap, a memory cgroup ``autodist-ad-h<i>`` per host
+  (cgroup v1's memory controller, or cgroup v2, mounted at ``CGROUP_MOUNT``),
+  which the host's launch prefix enters before the namespace: all its
+  processes together get the cap, and the kernel's out-of-memory killer stops
+  one that would exceed it (``oom_kills`` counts them).
 
 ``spec_dict`` turns the cluster into a resource spec whose nodes carry
 ``launch_prefix: [ip, netns, exec, ad-h<i>]``, so AutoDist starts each node's
@@ -32,6 +37,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import time
 from typing import Iterator, Sequence
 
 SUBNET = "10.123.0"
@@ -53,6 +59,15 @@ _MIN_BURST_BYTES = 16 * 1024
 _COMMAND_TIMEOUT_S = 30
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_]{1,32}")
+_MEMORY_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(?:i?b)?\s*")
+_MIN_MEMORY_BYTES = 64 * 2 ** 20
+_CGROUP_PREFIX = "autodist-"
+_CGROUP_REMOVAL_S = 10.0
+
+CGROUP_MOUNT = "/run/autodist/memory"
+"""Where a capped cluster mounts the memory cgroup hierarchy: outside ``/sys``,
+which ``ip netns exec`` remounts, so that a launch prefix run inside another
+host's namespace (the chief starting a worker) still finds the groups."""
 _RATE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]+)\s*")
 _LATENCY_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(us|usec|ms|msec|s|sec|secs)\s*")
 
@@ -94,6 +109,8 @@ class EmulatedHost:
         address: Its IPv4 address on the cluster subnet.
         bandwidth_gbit: Rate of its link, each direction, in Gbit/s.
         num_cpus: CPU replicas it gets in the resource spec.
+        memory_bytes: The memory cap of all its processes together, or None.
+        cgroup: The directory of its memory cgroup, or None without a cap.
     """
 
     name: str
@@ -101,11 +118,17 @@ class EmulatedHost:
     address: str
     bandwidth_gbit: float
     num_cpus: int = 1
+    memory_bytes: int | None = None
+    cgroup: str | None = None
 
     @property
     def launch_prefix(self) -> list[str]:
         """list[str]: The command prefix that runs a program on this host."""
-        return ["ip", "netns", "exec", self.namespace]
+        netns = ["ip", "netns", "exec", self.namespace]
+        if self.cgroup is None:
+            return netns
+        # The shell moves itself into the cgroup ($0), then becomes the command.
+        return ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', self.cgroup, *netns]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,8 +182,41 @@ def parse_rate(rate: str | float | int) -> float:
     return gbit
 
 
+def parse_memory(size: str | int) -> int:
+    """Converts a memory size such as ``"3g"``, ``"512m"`` or ``"1.5gb"`` to bytes.
+
+    Units are binary, as cgroups and container tools read them: ``k``, ``m``,
+    ``g``, ``t`` (optionally followed by ``b``, or ``i``/``ib``) are powers of
+    1024. A plain integer is bytes.
+
+    Raises:
+        ValueError: If ``size`` is not a size of at least 64 MiB.
+    """
+    if isinstance(size, int) and not isinstance(size, bool):
+        count = size
+    else:
+        m = _MEMORY_RE.fullmatch(size.lower()) if isinstance(size, str) else None
+        if m is None:
+            raise ValueError(f"Memory {size!r} is not a size; write a number and a unit, e.g. '3g', "
+                             "'512m' or '1.5g' (units k, m, g, t: powers of 1024).")
+        count = int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " "))
+    if count < _MIN_MEMORY_BYTES:
+        raise ValueError(f"Memory {size!r} is below 64m; a TensorFlow process needs more than that.")
+    return count
+
+
+def oom_kills(host: EmulatedHost) -> int:
+    """How many processes of ``host`` the kernel killed for exceeding its memory cap (0 without one)."""
+    if host.cgroup is None:
+        return 0
+    with open(os.path.join(host.cgroup, _memory_hierarchy().events), encoding="utf-8") as f:
+        counts = dict(line.split() for line in f if line.strip())
+    return int(counts.get("oom_kill", 0))
+
+
 def up(num_nodes: int, bandwidth: str | float | Sequence[str | float] = "1gbit", name: str = "ad",
-       cpus_per_node: int | Sequence[int] = 1, latency: str | None = None) -> EmulatedCluster:
+       cpus_per_node: int | Sequence[int] = 1, latency: str | None = None,
+       memory: str | int | Sequence[str | int] | None = None) -> EmulatedCluster:
     """Builds an emulated cluster (see the module docstring for its layout).
 
     On any failure the pieces built so far are removed before the error propagates.
@@ -174,6 +230,9 @@ def up(num_nodes: int, bandwidth: str | float | Sequence[str | float] = "1gbit",
         latency: One-way delay added to each host's outgoing traffic (e.g.
             ``"1ms"``), so two hosts see a round trip of twice that. Needs the
             kernel's ``sch_netem``.
+        memory: The memory cap of each host's processes together (``"3g"``,
+            bytes), or one per host; None for none. Needs a memory cgroup
+            controller (cgroup v1 or v2).
 
     Returns:
         EmulatedCluster: The cluster.
@@ -181,18 +240,26 @@ def up(num_nodes: int, bandwidth: str | float | Sequence[str | float] = "1gbit",
     Raises:
         ValueError: If an argument is invalid.
         EmulationError: If not root, ``ip``/``tc`` are missing, a cluster of that
-            name exists, latency emulation is unavailable, or a command fails.
+            name exists, latency emulation or memory cgroups are unavailable,
+            or a command fails.
     """
-    rates, cpus = check_arguments(num_nodes, bandwidth, name, cpus_per_node, latency)
+    rates, cpus, caps = check_arguments(num_nodes, bandwidth, name, cpus_per_node, latency, memory)
     _require_root()
+    hierarchy = _memory_hierarchy() if memory is not None else None
+    if memory is not None and hierarchy is None:
+        raise EmulationError(
+            f"A memory cap (memory={memory!r}) needs a memory cgroup controller, and this machine "
+            "mounts none (no cgroup v1 'memory' hierarchy, no cgroup v2 with 'memory' in "
+            "cgroup.controllers). Leave out the cap, or mount the controller.")
     existing = _cluster_namespaces(name)
     if existing:
         raise EmulationError(
             f"Emulated cluster {name!r} already exists (namespaces {existing}). Remove it first with "
             f"'autodist emulate down --name {name}' (or emulate.down({name!r})), or pick another name.")
     cluster = EmulatedCluster(name, tuple(
-        EmulatedHost(f"h{i}", f"{name}-h{i}", f"{SUBNET}.{i}", rate, n)
-        for i, (rate, n) in enumerate(zip(rates, cpus), start=1)), latency)
+        EmulatedHost(f"h{i}", f"{name}-h{i}", f"{SUBNET}.{i}", rate, n, cap,
+                     None if cap is None else _cgroup_path(f"{name}-h{i}"))
+        for i, (rate, n, cap) in enumerate(zip(rates, cpus, caps), start=1)), latency)
     try:
         _build(cluster)
     except BaseException:
@@ -203,11 +270,12 @@ def up(num_nodes: int, bandwidth: str | float | Sequence[str | float] = "1gbit",
 
 
 def down(name: str = "ad") -> list[str]:
-    """Removes an emulated cluster: its namespaces (with their veths and bridge) and ``/etc/netns`` entries.
+    """Removes an emulated cluster: its namespaces (with their veths and bridge), ``/etc/netns``
+    entries and memory cgroups.
 
     Pieces already gone are skipped, so calling it twice, or on a half-built
     cluster, is fine. Processes still running inside a namespace keep running
-    (detached from the name) until they exit.
+    (detached from the name, and moved out of their memory cgroup) until they exit.
 
     Args:
         name: The cluster name given to ``up``.
@@ -217,7 +285,8 @@ def down(name: str = "ad") -> list[str]:
 
     Raises:
         ValueError: If ``name`` is not a valid cluster name.
-        EmulationError: If not root, or a namespace exists but cannot be deleted.
+        EmulationError: If not root, or a namespace or memory cgroup exists but cannot be
+            deleted.
     """
     check_name(name)
     _require_root()
@@ -236,6 +305,7 @@ def down(name: str = "ad") -> list[str]:
                 shutil.rmtree(os.path.join(NETNS_ETC, entry), ignore_errors=True)
         with contextlib.suppress(OSError):  # only succeeds when nothing else is configured there
             os.rmdir(NETNS_ETC)
+    _remove_cgroups(name)
     return removed
 
 
@@ -266,27 +336,29 @@ def spec_dict(cluster: EmulatedCluster) -> dict:
 @contextlib.contextmanager
 def emulated_cluster(num_nodes: int, bandwidth: str | float | Sequence[str | float] = "1gbit",
                      name: str = "ad", cpus_per_node: int | Sequence[int] = 1,
-                     latency: str | None = None) -> Iterator[EmulatedCluster]:
+                     latency: str | None = None,
+                     memory: str | int | Sequence[str | int] | None = None) -> Iterator[EmulatedCluster]:
     """Context manager around ``up``/``down``: the cluster is removed on exit, even after an error.
 
     Args:
-        num_nodes, bandwidth, name, cpus_per_node, latency: As for ``up``.
+        num_nodes, bandwidth, name, cpus_per_node, latency, memory: As for ``up``.
 
     Yields:
         EmulatedCluster: The cluster.
     """
-    cluster = up(num_nodes, bandwidth, name, cpus_per_node, latency)
+    cluster = up(num_nodes, bandwidth, name, cpus_per_node, latency, memory)
     try:
         yield cluster
     finally:
         down(name)
 
 
-def check_arguments(num_nodes, bandwidth, name, cpus_per_node, latency) -> tuple[list[float], list[int]]:
+def check_arguments(num_nodes, bandwidth, name, cpus_per_node, latency,
+                    memory=None) -> tuple[list[float], list[int], list[int | None]]:
     """Checks ``up``'s arguments (see there) without touching anything.
 
     Returns:
-        tuple: The per-host rates (Gbit/s) and CPU counts.
+        tuple: The per-host rates (Gbit/s), CPU counts and memory caps (bytes or None).
 
     Raises:
         ValueError: Naming the first argument out of range and its value.
@@ -301,7 +373,9 @@ def check_arguments(num_nodes, bandwidth, name, cpus_per_node, latency) -> tuple
         raise ValueError(f"cpus_per_node is {cpus_per_node!r}, but every count must be a positive integer.")
     if latency is not None and (not isinstance(latency, str) or not _LATENCY_RE.fullmatch(latency)):
         raise ValueError(f"latency is {latency!r}, but it must be a delay in tc syntax, e.g. '1ms' or '500us'.")
-    return rates, cpus
+    caps = ([None] * num_nodes if memory is None
+            else [parse_memory(m) for m in _per_node(memory, num_nodes, "memory", (str, int))])
+    return rates, cpus, caps
 
 
 def _per_node(value, num_nodes: int, what: str, scalar: tuple[type, ...]) -> list:
@@ -346,6 +420,8 @@ def _build(cluster: EmulatedCluster) -> None:
         _run([ip, "-n", ns, "link", "set", HOST_IFACE, "up"])
         _shape(tc, ns, HOST_IFACE, host.bandwidth_gbit, cluster.latency)
         _shape(tc, br, port, host.bandwidth_gbit, None)
+        if host.cgroup is not None:
+            _make_cgroup(host)
     _write_hosts_files(cluster)
 
 
@@ -372,6 +448,109 @@ def _probe_netem(tc: str, ns: str, latency: str) -> None:
             f"kernel lacks or cannot load (tc said: {e.stderr or e}). Leave out the latency, or use a "
             "kernel built with CONFIG_NET_SCH_NETEM.") from e
     _run([tc, "-n", ns, "qdisc", "del", "dev", "lo", "root"])
+
+
+@dataclasses.dataclass(frozen=True)
+class _MemoryHierarchy:
+    """The machine's memory cgroup hierarchy (cgroup v1 or v2): how to mount it, its files' names."""
+
+    mount_options: tuple  # ``mount`` options naming the hierarchy
+    limit: str            # the cap, in bytes
+    swap_limit: str       # memory plus swap (v1) or swap alone (v2): kept from extending the cap
+    swap_value: str       # what ``swap_limit`` gets, "{cap}" standing for the cap
+    events: str           # holds an ``oom_kill <count>`` line
+
+
+_V1 = _MemoryHierarchy(("-t", "cgroup", "-o", "memory"), "memory.limit_in_bytes",
+                       "memory.memsw.limit_in_bytes", "{cap}", "memory.oom_control")
+_V2 = _MemoryHierarchy(("-t", "cgroup2"), "memory.max", "memory.swap.max", "0", "memory.events")
+
+
+def _mounts() -> list:
+    """(mount point, file system type, options) of each mount."""
+    with open("/proc/self/mounts", encoding="utf-8") as f:
+        return [tuple(line.split()[1:4]) for line in f if line.strip()]
+
+
+def _memory_hierarchy() -> _MemoryHierarchy | None:
+    """The memory cgroup hierarchy this machine mounts (v1's ``memory`` one first), or None."""
+    mounts = _mounts()
+    if any(kind == "cgroup" and "memory" in options.split(",") for _, kind, options in mounts):
+        return _V1
+    for point, kind, _ in mounts:
+        controllers = os.path.join(point, "cgroup.controllers")
+        if kind == "cgroup2" and os.path.exists(controllers):
+            with open(controllers, encoding="utf-8") as f:
+                if "memory" in f.read().split():
+                    return _V2
+    return None
+
+
+def _cgroup_path(namespace: str) -> str:
+    return os.path.join(CGROUP_MOUNT, f"{_CGROUP_PREFIX}{namespace}")
+
+
+def _mount_hierarchy(hierarchy: _MemoryHierarchy) -> None:
+    """Mounts the memory hierarchy at ``CGROUP_MOUNT``, unless it is there."""
+    if any(point == CGROUP_MOUNT for point, _, _ in _mounts()):
+        return
+    os.makedirs(CGROUP_MOUNT, exist_ok=True)
+    _run([_tool("mount"), *hierarchy.mount_options, "autodist", CGROUP_MOUNT])
+
+
+def _make_cgroup(host: EmulatedHost) -> None:
+    hierarchy = _memory_hierarchy()
+    try:
+        _mount_hierarchy(hierarchy)
+        os.makedirs(host.cgroup, exist_ok=True)
+        _write(os.path.join(host.cgroup, hierarchy.limit), str(host.memory_bytes))
+        swap = os.path.join(host.cgroup, hierarchy.swap_limit)
+        if os.path.exists(swap):  # absent when the kernel does not account swap
+            _write(swap, hierarchy.swap_value.format(cap=host.memory_bytes))
+    except (OSError, CommandError) as e:
+        raise EmulationError(f"Could not cap {host.name}'s memory at {host.memory_bytes} bytes in "
+                             f"cgroup {host.cgroup}: {e}") from e
+
+
+def _remove_cgroups(name: str) -> None:
+    """Removes the cluster's memory cgroups, and the hierarchy's mount once no cluster has one.
+
+    Processes still in a group move to the hierarchy's root group (and keep
+    running, as they do when their namespace is removed); one that is exiting
+    cannot move, so removal waits for it a little.
+    """
+    if not any(point == CGROUP_MOUNT for point, _, _ in _mounts()):
+        return
+    ours = [entry for entry in os.listdir(CGROUP_MOUNT) if entry.startswith(_CGROUP_PREFIX)]
+    for entry in list(ours):
+        if not _is_ours(name, entry[len(_CGROUP_PREFIX):]):
+            continue
+        path = os.path.join(CGROUP_MOUNT, entry)
+        deadline = time.monotonic() + _CGROUP_REMOVAL_S
+        while True:
+            with open(os.path.join(path, "cgroup.procs"), encoding="utf-8") as f:
+                pids = f.read().split()
+            for pid in pids:
+                with contextlib.suppress(OSError):  # it may have exited meanwhile
+                    _write(os.path.join(CGROUP_MOUNT, "cgroup.procs"), pid)
+            try:
+                os.rmdir(path)
+                break
+            except OSError as e:
+                if time.monotonic() > deadline:
+                    raise EmulationError(f"Could not remove memory cgroup {path} (processes {pids} "
+                                         f"were in it): {e}") from e
+                time.sleep(0.1)
+        ours.remove(entry)
+    if not ours:
+        with contextlib.suppress(CommandError, OSError):  # busy: another user of the mount
+            _run([_tool("umount"), CGROUP_MOUNT])
+            os.removedirs(CGROUP_MOUNT)  # and /run/autodist, when empty
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 def _write_hosts_files(cluster: EmulatedCluster) -> None:
@@ -410,11 +589,12 @@ def _require_root() -> None:
 
 
 def _tool(name: str) -> str:
-    """Finds an iproute2 binary, also in the sbin directories a non-login PATH may lack."""
+    """Finds a system binary, also in the sbin directories a non-login PATH may lack."""
     found = shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin:/usr/local/sbin")
     if found is None:
-        raise EmulationError(f"Emulated clusters need iproute2's '{name}' command, which was not found; "
-                             "install iproute2 (e.g. 'apt-get install iproute2').")
+        package = "util-linux" if name in ("mount", "umount") else "iproute2"
+        raise EmulationError(f"Emulated clusters need {package}'s '{name}' command, which was not found; "
+                             f"install {package} (e.g. 'apt-get install {package}').")
     return found
 
 

@@ -35,6 +35,12 @@ class LaunchError(RuntimeError):
     """A node could not be started, or its process ended badly."""
 
 
+# What usually sends a worker a signal nobody asked for.
+_KILL_CAUSES = {signal.SIGKILL: " (the kernel's out-of-memory killer sends it when the node runs "
+                                "out of memory or its process group hits a memory cap, such as "
+                                "a cgroup's or `autodist emulate --memory`)"}
+
+
 @dataclasses.dataclass
 class WorkerProcess:
     """A launched worker: the node it runs on and its local process.
@@ -65,6 +71,8 @@ class WorkerProcess:
         code = self.process.poll()
         if said:
             return f"ssh could not run its process (exit code {code}): {said[-500:]}"
+        if code is not None and code < 0:
+            return f"its process was killed by {signal.Signals(-code).name}{_KILL_CAUSES.get(-code, '')}."
         return f"its process exited with code {code}."
 
     def stop(self, grace: float = 5.0) -> None:

@@ -329,7 +329,8 @@ def _synchronize(result: DistributedGraph, call: int, synchronizers: dict,
             per_part = [per_replica]
         for part_storage, grads in zip(storage.parts, per_part):
             update = functools.partial(_part_update, part_storage, name, plan)
-            members[part_storage.part.kind.field].append(Member(part_storage, grads, update))
+            members[part_storage.part.kind.field].append(
+                Member(part_storage, grads, update, storage.compiled.info.updates_rows))
     out = Reduced()
     for field, synchronizer in synchronizers.items():  # in the registry's order, on every node
         if members[field]:

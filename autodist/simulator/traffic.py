@@ -94,6 +94,8 @@ class SyncParts:
             (``VariableInfo.ready_rank``; 0: first).
         read_whole: some op of the model reads its variable's whole value, not
             only rows of it (``VariableInfo.read_whole``).
+        updates_rows: its variable's update writes only the rows of its sparse
+            gradient (``VariableInfo.updates_rows``).
     """
 
     variables: List[str]
@@ -117,6 +119,7 @@ class SyncParts:
     remote_ops: np.ndarray
     ready_rank: np.ndarray
     read_whole: np.ndarray
+    updates_rows: np.ndarray
 
     def of_kind(self, kind) -> np.ndarray:
         """The indices of the parts of ``kind`` (a class of the registry)."""
@@ -160,8 +163,8 @@ def _columns(infos: List[Any], names: List[str], records: List[tuple],
     """
     table = np.array(records, dtype=np.float64).reshape(len(records), _RECORD)
     row = table[:, 0].astype(np.intp)
-    flags = np.array([(info.has_grad, info.sparse_grad, info.read_whole) for info in infos],
-                     dtype=bool).reshape(len(infos), 3)[row]
+    flags = np.array([(info.has_grad, info.sparse_grad, info.read_whole, info.updates_rows)
+                      for info in infos], dtype=bool).reshape(len(infos), 4)[row]
     ready_rank = np.array([info.ready_rank for info in infos], dtype=np.int64)[row]
     _, dtype = np.unique([info.dtype for info in infos], return_inverse=True)
     servers = list(dict.fromkeys(map(node_of, devices)))  # a node's devices share its NIC
@@ -172,7 +175,8 @@ def _columns(infos: List[Any], names: List[str], records: List[tuple],
                      flags[:, 0], flags[:, 1], table[:, 1], table[:, 2], table[:, 4], servers,
                      server, table[:, 6] != 0, table[:, 7].astype(np.int64), table[:, 8] != 0,
                      table[:, 9].astype(np.int64), table[:, 10].astype(np.int64), dtype[row],
-                     table[:, 11] != 0, table[:, 12] != 0, ready_rank, flags[:, 2])
+                     table[:, 11] != 0, table[:, 12] != 0, ready_rank, flags[:, 2],
+                     flags[:, 3])
 
 
 def sync_parts(strategy: Any, variables: Sequence[Any], batch_size: int,

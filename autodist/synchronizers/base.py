@@ -90,11 +90,16 @@ class Ownership(NamedTuple):
 @dataclasses.dataclass
 class Member:
     """One part to synchronize: its storage, each local replica's gradient, and how to
-    turn the mean gradient into the update of its first copy."""
+    turn the mean gradient into the update of its first copy.
+
+    ``updates_rows``: the update writes only the rows of the sparse mean
+    gradient (``VariableInfo.updates_rows``).
+    """
 
     storage: PartStorage
     grads: list
     update: Callable[[object], PartUpdate]
+    updates_rows: bool = False
 
 
 @dataclasses.dataclass
@@ -479,17 +484,18 @@ def unflatten(flat: tf.Tensor, grads: list) -> list:
 
 
 def token_queue(worker: int, ctx: KernelContext, purpose: str = "sync_token",
-                device: str = "") -> tf.queue.FIFOQueue:
+                device: str = "", vectors: bool = False) -> tf.queue.FIFOQueue:
     """The queue through which the chief lets worker ``worker`` go on.
 
     With the default ``purpose``, the worker's next step waits for a token; other
     purposes (e.g. a finished restore) get queues of their own, and so does each
     optimizer call after the first (``ctx.update_index``). The queue lives on
-    ``device``, by default the chief's.
+    ``device``, by default the chief's. Its tokens are int64 scalars, or with
+    ``vectors`` int64 vectors of any length (rows an update wrote).
     """
     name = f"autodist_{purpose}_{worker}"
     if ctx.update_index:
         name += f"_update{ctx.update_index}"
     with tf.device(device or ctx.chief_device):
-        return tf.queue.FIFOQueue(capacity=-1, dtypes=[tf.int64], shapes=[[]],
-                                  shared_name=name, name=name)
+        return tf.queue.FIFOQueue(capacity=-1, dtypes=[tf.int64],
+                                  shapes=None if vectors else [[]], shared_name=name, name=name)

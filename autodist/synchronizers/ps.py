@@ -113,6 +113,9 @@ class PSSynchronizer(SynchronizerKind):
         self._staleness = 0      # the largest bound among the parts
         self._proxy_parts = []   # parts the replicas read through proxies
         self._sent = False       # gradients are sent to other nodes
+        # Proxied part name -> the rows its update writes (this node applies it),
+        # or None (another node does); for the parts refreshed by those rows.
+        self._updated_rows = {}
 
     def create_storage(self, part, initial_value: tf.Tensor) -> PartStorage:
         shared, readers = create_ps_storage(part.name, initial_value, part.synchronizer, self.ctx)
@@ -130,11 +133,15 @@ class PSSynchronizer(SynchronizerKind):
         for member in members:
             part, sync = member.storage.part, member.storage.part.synchronizer
             self._staleness = max(self._staleness, sync.staleness)
-            if member.storage.readers[0] is not member.storage.copies[0]:
+            proxied = member.storage.readers[0] is not member.storage.copies[0]
+            if proxied:
                 self._proxy_parts.append(member.storage)
+            by_rows = proxied and member.updates_rows and not sync.staleness
             if not ctx.multi_node:
-                out.remote_updates.append(member.update(reduce_ps_gradients(member.grads, sync,
-                                                                            ctx)))
+                mean = reduce_ps_gradients(member.grads, sync, ctx)
+                if by_rows:
+                    self._updated_rows[part.name] = mean.indices
+                out.remote_updates.append(member.update(mean))
                 continue
             contribution = node_contribution(member.grads, sync, ctx)
             if ctx.split_step:
@@ -142,6 +149,8 @@ class PSSynchronizer(SynchronizerKind):
                 out.local_ops.append(store)
             sent, mean = accumulate_across_nodes(part.name, contribution, part.shape, sync, ctx)
             out.remote_ops.append(sent)
+            if by_rows:
+                self._updated_rows[part.name] = None if mean is None else mean.indices
             if mean is not None:
                 out.remote_updates.append(member.update(mean))
         self._sent = self._sent or bool(out.remote_ops)
@@ -182,6 +191,11 @@ class PSSynchronizer(SynchronizerKind):
             step = counter.assign_add(1)
         refreshes, told = [], []
         for part in self._proxy_parts:
+            if part.part.name in self._updated_rows:
+                refresh, tell = self._refresh_rows(part, updated)
+                refreshes.append(refresh)
+                told += tell
+                continue
             shared = part.copies[0]
             if shared.name in updated:  # this node updates the part, and tells the workers
                 gate = [updated[shared.name]]
@@ -194,6 +208,31 @@ class PSSynchronizer(SynchronizerKind):
                 refreshes.append(refresh_proxies(shared, part.readers,
                                                  part.part.synchronizer.staleness, step))
         return [*steps, *told, *refreshes]
+
+    def _refresh_rows(self, part: PartStorage, updated: dict) -> tuple:
+        """Refreshes a part's proxies by the rows its update wrote (``Member.updates_rows``).
+
+        The node applying the update knows the rows (the mean gradient's) and
+        sends them to every other node in place of the part's token; each node
+        then reads those rows of the part, where it is stored, into its proxies.
+
+        Returns:
+            (the refresh, the sends to the other nodes)
+        """
+        shared, ctx = part.copies[0], self.ctx
+        rows = self._updated_rows[part.part.name]
+        tell = []
+        if rows is not None:
+            with tf.device(shared.device), tf.control_dependencies([updated[shared.name]]):
+                rows, _ = tf.unique(tf.cast(rows, tf.int64))
+                tell = [_part_rows_queue(part, w, ctx).enqueue(rows)
+                        for w in range(1, ctx.num_nodes)]
+        else:
+            rows = tf.ensure_shape(_part_rows_queue(part, ctx.node_index, ctx).dequeue(), [None])
+        with tf.device(shared.device):
+            values = shared.sparse_read(rows)
+        return tf.group(*[proxy.scatter_update(tf.IndexedSlices(values, rows))
+                          for proxy in part.readers]), tell
 
     def restore_targets(self, storage: PartStorage) -> List[Target]:
         targets = super().restore_targets(storage)
@@ -216,10 +255,13 @@ class PSSynchronizer(SynchronizerKind):
 # * pull: each remote replica reads ``v``; a sparse-gradient variable that
 #   the model only gathers rows of (``VariableInfo.read_whole`` false) is read
 #   by gathers on the servers of its parts, so only the touched rows travel.
-#   With a local proxy (``local_replication``, a staleness
-#   bound or a split step) each remote node copies the whole part once: one
-#   read feeds all the node's proxies, and TensorFlow's master cuts a graph by
-#   worker, not by device, so the value crosses the network once per node.
+#   With a local proxy (``local_replication``, a staleness bound or a split
+#   step) each remote node copies the whole part once: one read feeds all the
+#   node's proxies, and TensorFlow's master cuts a graph by worker, not by
+#   device, so the value crosses the network once per node. A proxy of a part
+#   whose update writes only its gradient's rows (``updates_rows``, no
+#   staleness bound) copies those rows: every replica's touched rows, at most
+#   the part.
 # * staleness ``s`` refreshes proxies every ``s + 1`` steps, so pulls are divided
 #   by ``s + 1``; pushes are not, since every gradient is still applied.
 # * replicas on ``D`` itself load ``D``'s local bus instead of its NIC.
@@ -245,13 +287,15 @@ class PSFlows(NamedTuple):
     read: np.ndarray       # bytes one read moves, already divided by the refresh period
 
 
-def ps_flows(parts, index: np.ndarray, split_step: bool) -> PSFlows:
+def ps_flows(parts, index: np.ndarray, split_step: bool, num_replicas: int) -> PSFlows:
     """Applies the traffic rules above to the PS parts ``index`` of ``parts`` (``SyncParts``)."""
     proxy = parts.proxy[index] | split_step
     sparse = parts.sparse[index]
-    grad_bytes = parts.grad_bytes[index]
+    grad_bytes, value_bytes = parts.grad_bytes[index], parts.value_bytes[index]
+    by_rows = sparse & parts.updates_rows[index] & (parts.staleness[index] == 0)
     read = np.where(sparse & ~proxy & ~parts.read_whole[index], grad_bytes,
-                    parts.value_bytes[index])
+                    np.where(proxy & by_rows, np.minimum(value_bytes, grad_bytes * num_replicas),
+                             value_bytes))
     return PSFlows(parts.server[index], (parts.aggregate[index] | split_step) & ~sparse, proxy,
                    np.where(parts.has_grad[index], grad_bytes, 0.0),
                    read / (parts.staleness[index] + 1))
@@ -306,7 +350,7 @@ def _transfer(parts, index: np.ndarray, cluster: ClusterView, split_step: bool) 
     busiest resource of pushes and refreshes binds, or else that of the pushes,
     then those last refreshes. Direct reads come after every update and add up.
     """
-    flows = ps_flows(parts, index, split_step)
+    flows = ps_flows(parts, index, split_step, cluster.num_replicas)
     nodes, loads = ps_loads(flows, parts.servers, cluster)
     rates = np.array([[cluster.gbps((node, direction)) for direction in DIRECTIONS]
                       for node in nodes])
@@ -402,6 +446,13 @@ def _part_token_queue(part: PartStorage, worker: int, ctx: KernelContext) -> tf.
     """
     return token_queue(worker, ctx, f"updated_{part.part.name}",
                        device=ctx.tf_device(part.part.synchronizer.reduction_destination))
+
+
+def _part_rows_queue(part: PartStorage, worker: int, ctx: KernelContext) -> tf.queue.FIFOQueue:
+    """The queue telling worker ``worker`` which rows of ``part`` an update wrote, beside the part."""
+    return token_queue(worker, ctx, f"updated_rows_{part.part.name}",
+                       device=ctx.tf_device(part.part.synchronizer.reduction_destination),
+                       vectors=True)
 
 
 def create_ps_storage(name: str, initial_value: tf.Tensor, sync, ctx: KernelContext):
