@@ -34,6 +34,7 @@ import json
 import os
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -113,6 +114,36 @@ def ensure_venv(venv: str, log=print) -> None:
     log(f"[horovod set-up] done: {versions(venv)} in {venv}")
 
 
+def run_benchmark(args, needs_horovod: bool, run, setup_only: bool = False) -> int:
+    """Runs a benchmark's ``run()``, building Horovod's venv first when ``needs_horovod``.
+
+    A failed set-up is not fatal: it is kept in ``args.horovod_error`` so Horovod's
+    rows say why they are missing (with ``setup_only``, where set-up is the whole
+    job, it is raised). SIGTERM is handled like Ctrl-C: the benchmark's own
+    clean-up runs and the exit status is 130.
+    """
+    args.horovod_error = None
+    signal.signal(signal.SIGTERM, _interrupted)
+    try:
+        if needs_horovod or setup_only:
+            try:
+                ensure_venv(args.horovod_venv)
+            except (RuntimeError, OSError, subprocess.SubprocessError) as err:
+                if setup_only:
+                    raise
+                print(f"Horovod set-up failed; its rows are errors:\n{err}", file=sys.stderr)
+                args.horovod_error = f"set-up failed: {str(err).splitlines()[0]}"
+        return 0 if setup_only else run()
+    except KeyboardInterrupt:
+        print("\ninterrupted; every process this run started was stopped and any cluster removed",
+              file=sys.stderr)
+        return 130
+
+
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def _build_tools(log) -> None:
     """cmake and g++, which Horovod's build needs; installed with apt-get when missing."""
     missing = [tool for tool in ("cmake", "g++") if shutil.which(tool) is None]
@@ -161,24 +192,34 @@ def _stream(argv: list, env: dict, record, log, what: str, log_path: str) -> Non
 
 # --------------------------------------------------------------------------- in the venv
 
-def job(warmup: int, timed: int) -> None:
-    """One Horovod rank: Keras 2 ``fit`` with the distributed optimizer and the broadcast."""
+def job(warmup: int, timed: int, build=None, data=None,
+        batch: int = kst.ROWS_PER_REPLICA) -> None:
+    """One Horovod rank: Keras 2 ``fit`` with the distributed optimizer and the broadcast.
+
+    Args:
+        build: makes the compiled model given ``wrap_optimizer=``, as
+            ``kst.build_model`` (the default).
+        data: ``data(seed, rows)`` -> (x, y), as ``kst.synthetic_data`` (the default).
+        batch: the rank's rows per step.
+    """
     kst.limit_threads()
     import horovod.tensorflow.keras as hvd
     import keras
     import numpy as np
 
     hvd.init()
-    x, y = kst.synthetic_data(hvd.rank(), kst.ROWS_PER_REPLICA * (warmup + timed))
+    x, y = (data or kst.synthetic_data)(hvd.rank(), batch * (warmup + timed))
     keras.utils.set_random_seed(0)
-    model = kst.build_model(wrap_optimizer=hvd.DistributedOptimizer)
+    model = (build or kst.build_model)(wrap_optimizer=hvd.DistributedOptimizer)
     timer = kst.batch_timer(warmup)
-    model.fit(x, y, batch_size=kst.ROWS_PER_REPLICA, epochs=1, verbose=0, shuffle=False,
+    model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
               callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), timer])
-    digest = hashlib.sha256(b"".join(np.ascontiguousarray(w).tobytes()
-                                     for w in model.get_weights())).hexdigest()
-    print(_CHECKSUM_TAG + json.dumps({"rank": hvd.rank(), "sha256": digest}), flush=True)
-    kst.print_cpu(SYSTEM, hvd.rank(), timer)
+    kst.print_cpu(SYSTEM, hvd.rank(), timer)  # its peak memory before the checksum's copies
+    digest = hashlib.sha256()
+    for weight in model.get_weights():
+        digest.update(np.ascontiguousarray(weight).tobytes())
+    print(_CHECKSUM_TAG + json.dumps({"rank": hvd.rank(), "sha256": digest.hexdigest()}),
+          flush=True)
     if hvd.rank() == 0:
         kst.print_result(SYSTEM, timer)
 
@@ -203,9 +244,16 @@ def serve_rendezvous(hosts: list, address: str) -> None:
 
 # --------------------------------------------------------------------------- the driver
 
-def run(cluster, venv: str, args) -> dict:
-    """One Horovod job on ``cluster``: its row, or an error row."""
+def run(cluster, venv: str, args, job_argv: list = None) -> dict:
+    """One Horovod job on ``cluster``: its row, or an error row.
+
+    ``job_argv``: what each rank's Python runs, a script and its arguments (default:
+    this file's job, ``--_job --warmup W --timed T``); it must print what
+    :func:`job` prints.
+    """
     python, here = venv_python(venv), os.path.abspath(__file__)
+    job_argv = job_argv or [here, "--_job", "--warmup", str(args.warmup),
+                            "--timed", str(args.timed)]
     chief = cluster.hosts[0]
     rendezvous = subprocess.Popen(
         chief.launch_prefix + [python, here, "--_rendezvous", chief.address,
@@ -216,9 +264,8 @@ def run(cluster, venv: str, args) -> dict:
         ranks = _read_ranks(rendezvous)
         if isinstance(ranks, str):
             return {"system": SYSTEM, "error": ranks}
-        procs = [kst.start_job(host.launch_prefix + [
-            python, here, "--_job", "--warmup", str(args.warmup), "--timed", str(args.timed)],
-            kst.job_env(**env)) for host, env in zip(cluster.hosts, ranks)]
+        procs = [kst.start_job(host.launch_prefix + [python, *job_argv], kst.job_env(**env))
+                 for host, env in zip(cluster.hosts, ranks)]
         outputs = kst.collect(procs, args.timeout)
     finally:
         kst.stop_job(rendezvous)

@@ -57,6 +57,7 @@ The emulated cluster is always removed, even after an error.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -184,15 +185,40 @@ def print_result(system: str, timer) -> None:
         "first_loss": timer.losses[0], "last_loss": timer.losses[-1]}), flush=True)
 
 
+def peak_rss_gb() -> float:
+    """This process's peak resident memory so far, in GiB (``VmHWM``, Linux).
+
+    Not ``getrusage``'s ``ru_maxrss``: that one keeps the peak of the process
+    that started this one (Linux carries it over ``exec``), so a worker an
+    AutoDist chief launches would report at least the chief's peak.
+    """
+    try:
+        with open("/proc/self/status", encoding="utf-8") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError):
+        import resource
+        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib / 2 ** 20
+
+
 def print_cpu(system: str, process: int, timer) -> None:
-    """This process's CPU seconds per timed step (every process of a job prints one)."""
+    """This process's CPU seconds per timed step and its peak memory so far (every process
+    of a job prints one)."""
     print(_CPU_TAG + json.dumps({"system": system, "process": process,
-                                 "cpu_s_per_step": timer.cpu_s / max(1, len(timer.times))}),
+                                 "cpu_s_per_step": timer.cpu_s / max(1, len(timer.times)),
+                                 "peak_rss_gb": peak_rss_gb()}),
           flush=True)
 
 
-def job_autodist(spec: str, builder: str, warmup: int, timed: int) -> None:
-    """One node's part of an AutoDist run (the chief also launches the others); the chief prints."""
+def job_autodist(spec: str, builder: str, warmup: int, timed: int, build=build_model,
+                 data=synthetic_data, rows_per_replica: int = ROWS_PER_REPLICA) -> None:
+    """One node's part of an AutoDist run (the chief also launches the others); the chief prints.
+
+    Args:
+        build: makes the compiled model, as :func:`build_model` (which it defaults to).
+        data: ``data(seed, rows)`` -> (x, y), as :func:`synthetic_data`.
+        rows_per_replica: the rows each replica processes per step.
+    """
     limit_threads()
     import keras
 
@@ -206,11 +232,11 @@ def job_autodist(spec: str, builder: str, warmup: int, timed: int) -> None:
     if replicas % num_nodes:
         raise ValueError(f"keras_step_time: the spec's {replicas} replicas do not split evenly "
                          f"over its {num_nodes} nodes; give every node as many CPUs.")
-    batch = ROWS_PER_REPLICA * replicas // num_nodes  # this node's rows per step
-    x, y = synthetic_data(ad.node_index, batch * (warmup + timed))
+    batch = rows_per_replica * replicas // num_nodes  # this node's rows per step
+    x, y = data(ad.node_index, batch * (warmup + timed))
     keras.utils.set_random_seed(0)  # the same initial weights on every node and in every system
     with ad.scope():
-        model = build_model()
+        model = build()
     timer = batch_timer(warmup)
     model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False, callbacks=[timer])
     print_cpu(builder, ad.node_index, timer)  # a worker's stdout is the chief's
@@ -218,8 +244,10 @@ def job_autodist(spec: str, builder: str, warmup: int, timed: int) -> None:
         print_result(builder, timer)
 
 
-def job_mirrored(warmup: int, timed: int) -> None:
-    """MirroredStrategy over two logical CPU devices of this process."""
+def job_mirrored(warmup: int, timed: int, build=build_model, data=synthetic_data,
+                 rows_per_replica: int = ROWS_PER_REPLICA) -> None:
+    """MirroredStrategy over two logical CPU devices of this process (arguments as for
+    :func:`job_autodist`)."""
     import tensorflow as tf
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(
@@ -227,11 +255,11 @@ def job_mirrored(warmup: int, timed: int) -> None:
     limit_threads()
     import keras
     strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(ONE_NODE_REPLICAS)])
-    batch = ROWS_PER_REPLICA * ONE_NODE_REPLICAS
-    x, y = synthetic_data(0, batch * (warmup + timed))
+    batch = rows_per_replica * ONE_NODE_REPLICAS
+    x, y = data(0, batch * (warmup + timed))
     keras.utils.set_random_seed(0)
     with strategy.scope():
-        model = build_model()
+        model = build()
     timer = batch_timer(warmup)
     model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False, callbacks=[timer])
     print_cpu(PEERS["one_node"], 0, timer)
@@ -276,29 +304,31 @@ def _mwms_sequential():
     return Sequential
 
 
-def job_mwms(warmup: int, timed: int) -> None:
-    """One worker of a MultiWorkerMirroredStrategy run (``TF_CONFIG`` set by the driver)."""
+def job_mwms(warmup: int, timed: int, build=build_model, data=synthetic_data,
+             rows_per_replica: int = ROWS_PER_REPLICA) -> None:
+    """One worker of a MultiWorkerMirroredStrategy run (``TF_CONFIG`` set by the driver;
+    arguments as for :func:`job_autodist`, ``build`` taking the model class first)."""
     limit_threads()
     import keras
     import tensorflow as tf
     task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     strategy = tf.distribute.MultiWorkerMirroredStrategy(
         communication_options=tf.distribute.experimental.CommunicationOptions())
-    global_batch = ROWS_PER_REPLICA * strategy.num_replicas_in_sync
+    global_batch = rows_per_replica * strategy.num_replicas_in_sync
     # Each worker reads all of its own dataset (no auto-sharding) in global batches and
-    # takes its replica's slice of each: 8 of its own rows per step.
-    x, y = synthetic_data(task, global_batch * (warmup + timed))
+    # takes its replica's slice of each: rows_per_replica of its own rows per step.
+    x, y = data(task, global_batch * (warmup + timed))
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch).with_options(options)
     first = next(iter(strategy.experimental_distribute_dataset(dataset)))
     rows = {int(t.shape[0]) for t in strategy.experimental_local_results(first[0])}
-    if rows != {ROWS_PER_REPLICA}:
+    if rows != {rows_per_replica}:
         raise RuntimeError(f"keras_step_time: a MultiWorkerMirroredStrategy replica gets {rows} "
-                           f"rows per step, not {ROWS_PER_REPLICA}.")
+                           f"rows per step, not {rows_per_replica}.")
     keras.utils.set_random_seed(0)
     with strategy.scope():
-        model = build_model(_mwms_sequential())
+        model = build(_mwms_sequential())
     timer = batch_timer(warmup)
     model.fit(dataset, epochs=1, verbose=0, shuffle=False, callbacks=[timer])
     print_cpu(PEERS["cluster"], task, timer)
@@ -359,7 +389,8 @@ def job_result(system: str, outputs: list) -> dict:
     """The result line of the first process's stdout, or an error row quoting stderr.
 
     The row's ``cpu_s_per_step`` lists the CPU line of every process that printed
-    one (an AutoDist worker prints on its chief's stdout), in process order.
+    one (an AutoDist worker prints on its chief's stdout), in process order, and
+    ``peak_rss_gb`` those processes' peak memory.
     """
     code, out, _ = outputs[0]
     for line in out.splitlines():
@@ -367,8 +398,9 @@ def job_result(system: str, outputs: list) -> dict:
             row = json.loads(line[len(_RESULT_TAG):])
             cpu = [json.loads(l[len(_CPU_TAG):]) for _, o, _ in outputs
                    for l in (o or "").splitlines() if l.startswith(_CPU_TAG)]
-            row["cpu_s_per_step"] = [c["cpu_s_per_step"]
-                                     for c in sorted(cpu, key=lambda c: c["process"])]
+            cpu.sort(key=lambda c: c["process"])
+            row["cpu_s_per_step"] = [c["cpu_s_per_step"] for c in cpu]
+            row["peak_rss_gb"] = [c["peak_rss_gb"] for c in cpu if "peak_rss_gb" in c]
             return row
     for i, (c, o, e) in enumerate(outputs):
         sys.stderr.write(f"--- {system}, process {i} (exit {c}):\n{o[-2000:]}\n{e[-6000:]}\n")
@@ -376,24 +408,30 @@ def job_result(system: str, outputs: list) -> dict:
     return {"system": system, "error": (lines or [f"exit {code}"])[-1][:300]}
 
 
-def run_one_node(system: str, spec: str, args) -> dict:
-    """One job of the one_node setting: a builder, or MirroredStrategy."""
-    argv = (_job_argv("mirrored", args) if system == PEERS["one_node"]
-            else _job_argv("autodist", args, "--spec", spec, "--builder", system))
+def run_one_node(system: str, spec: str, args, job_argv=None) -> dict:
+    """One job of the one_node setting: a builder, or MirroredStrategy.
+
+    ``job_argv(kind, args, *extra)`` is the job's command (default: this script's
+    job of that kind, ``--_job kind``); the cluster's likewise.
+    """
+    job_argv = job_argv or _job_argv
+    argv = (job_argv("mirrored", args) if system == PEERS["one_node"]
+            else job_argv("autodist", args, "--spec", spec, "--builder", system))
     return job_result(system, collect([start_job(argv, job_env())], args.timeout))
 
 
-def run_cluster(system: str, spec: str, cluster, args, port: int) -> dict:
+def run_cluster(system: str, spec: str, cluster, args, port: int, job_argv=None) -> dict:
     """One job of the cluster setting: AutoDist's chief in the first namespace, or MWMS workers."""
+    job_argv = job_argv or _job_argv
     if system != PEERS["cluster"]:
-        argv = cluster.hosts[0].launch_prefix + _job_argv("autodist", args, "--spec", spec,
-                                                          "--builder", system)
+        argv = cluster.hosts[0].launch_prefix + job_argv("autodist", args, "--spec", spec,
+                                                         "--builder", system)
         return job_result(system, collect([start_job(argv, job_env())], args.timeout))
     workers = [f"{h.address}:{port}" for h in cluster.hosts]
     procs = []
     for i, host in enumerate(cluster.hosts):
         config = json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}})
-        procs.append(start_job(host.launch_prefix + _job_argv("mwms", args),
+        procs.append(start_job(host.launch_prefix + job_argv("mwms", args),
                                job_env(TF_CONFIG=config)))
     return job_result(system, collect(procs, args.timeout))
 
@@ -413,7 +451,8 @@ def run_rounds(setting: str, systems: list, run, rounds: int, rotate: bool = Fal
             row["job_s"] = time.perf_counter() - start
             results[system].append(row)
             status = (f"median {row['median_s'] * 1e3:.1f} ms, loss {row['first_loss']:.3f} -> "
-                      f"{row['last_loss']:.3f}" if "median_s" in row else f"FAILED: {row['error']}")
+                      f"{row['last_loss']:.3f}" if "median_s" in row else
+                      row["error"] if row.get("skipped") else f"FAILED: {row['error']}")
             if row.get("cpu_s_per_step"):
                 status += (", CPU s/step per process " +
                            " ".join(f"{c:.3f}" for c in row["cpu_s_per_step"]))
@@ -422,10 +461,16 @@ def run_rounds(setting: str, systems: list, run, rounds: int, rotate: bool = Fal
     return results
 
 
-def measure(setting: str, builders: list, args) -> dict:
-    """Measures one setting; system -> list of job results (the peer last)."""
+@contextlib.contextmanager
+def setting_spec(setting: str, cluster_name: str = CLUSTER_NAME):
+    """Yields (the setting's resource spec file, its emulated cluster or None for one_node).
+
+    ``one_node``: this machine, ``ONE_NODE_REPLICAS`` CPU replicas. ``cluster``:
+    ``NUM_NODES`` emulated nodes at ``BANDWIDTH``, one CPU replica each, named
+    ``cluster_name``; one left behind by an interrupted run is removed first, and
+    the cluster is removed on exit, even after an error.
+    """
     import yaml
-    systems = list(builders) + [PEERS[setting]]
     with tempfile.TemporaryDirectory() as tmp:
         spec = os.path.join(tmp, "spec.yml")
         if setting == "one_node":
@@ -433,17 +478,27 @@ def measure(setting: str, builders: list, args) -> dict:
                 yaml.safe_dump({"nodes": [{"address": "localhost",
                                            "cpus": list(range(ONE_NODE_REPLICAS)),
                                            "chief": True}]}, f)
-            return run_rounds(setting, systems, lambda s: run_one_node(s, spec, args), args.rounds)
+            yield spec, None
+            return
         from autodist.cluster import emulate
-        emulate.down(CLUSTER_NAME)  # one left behind by an interrupted run of this script
-        ports = iter(range(MWMS_PORT, MWMS_PORT + 1000))
-        with emulate.emulated_cluster(NUM_NODES, BANDWIDTH, name=CLUSTER_NAME,
+        emulate.down(cluster_name)  # one left behind by an interrupted run of this script
+        with emulate.emulated_cluster(NUM_NODES, BANDWIDTH, name=cluster_name,
                                       cpus_per_node=[1] * NUM_NODES) as cluster:
             with open(spec, "w", encoding="utf-8") as f:
                 yaml.safe_dump(emulate.spec_dict(cluster), f)
-            return run_rounds(setting, systems,
-                              lambda s: run_cluster(s, spec, cluster, args, next(ports)),
-                              args.rounds)
+            yield spec, cluster
+
+
+def measure(setting: str, builders: list, args) -> dict:
+    """Measures one setting; system -> list of job results (the peer last)."""
+    systems = list(builders) + [PEERS[setting]]
+    with setting_spec(setting) as (spec, cluster):
+        if cluster is None:
+            return run_rounds(setting, systems, lambda s: run_one_node(s, spec, args), args.rounds)
+        ports = iter(range(MWMS_PORT, MWMS_PORT + 1000))
+        return run_rounds(setting, systems,
+                          lambda s: run_cluster(s, spec, cluster, args, next(ports)),
+                          args.rounds)
 
 
 # --------------------------------------------------------------------------- the report

@@ -58,7 +58,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -386,28 +385,8 @@ def main(argv=None) -> int:
     if not args.builders and not args.systems and not args.setup_only:
         parser.error("nothing to run: give at least one of --builders and --systems.")
     args.settings = [s for s in SETTINGS if s in args.settings]
-    args.horovod_error = None
-    signal.signal(signal.SIGTERM, _interrupted)  # cleaned up as after Ctrl-C
-    try:
-        if HOROVOD in args.systems or args.setup_only:
-            try:
-                horovod_peer.ensure_venv(args.horovod_venv)
-            except (RuntimeError, OSError, subprocess.SubprocessError) as err:
-                if args.setup_only:
-                    raise
-                print(f"Horovod set-up failed; its rows are errors:\n{err}", file=sys.stderr)
-                args.horovod_error = f"set-up failed: {str(err).splitlines()[0]}"
-        if args.setup_only:
-            return 0
-        return _run(parser, args)
-    except KeyboardInterrupt:
-        print("\ninterrupted; every process this run started was stopped and any cluster removed",
-              file=sys.stderr)
-        return 130
-
-
-def _interrupted(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
+    return horovod_peer.run_benchmark(args, HOROVOD in args.systems,
+                                      lambda: _run(parser, args), setup_only=args.setup_only)
 
 
 def _run(parser, args) -> int:

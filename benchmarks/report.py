@@ -55,6 +55,8 @@ SECTIONS = (
      "communication-overlapping-the-backward-pass-overlap"),
     ("Start-up and memory vs. the model's bytes (`model_scale`)",
      "start-up-and-memory-vs-the-models-bytes-model_scale"),
+    ("Embedding tables: step time and memory by table size (`embeddings`)",
+     "embedding-tables-step-time-and-memory-by-table-size-embeddings"),
 )
 
 HEADER = "\n".join([
@@ -146,17 +148,44 @@ def write_section(path: str, section: str, begin: str, end: str) -> None:
     The file is re-read just before and replaced atomically, so another script's
     section written meanwhile survives.
     """
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    text = ""
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+    text = _read_page(path)
     if begin in text and end in text:
         head, rest = text.split(begin, 1)
         text = head + section + rest.split(end, 1)[1]
     else:
         text = (text or HEADER).rstrip("\n") + "\n\n" + section + "\n"
+    _replace_page(path, text)
+
+
+def add_contents_entry(path: str, heading: str, anchor: str) -> bool:
+    """Adds ``- [heading](#anchor)`` after the last entry of the contents of ``path``
+    (the list items before its first ``## `` section) unless an entry links ``#anchor``;
+    returns whether it did. Re-read and replaced as by :func:`write_section`."""
+    text = _read_page(path)
+    head, _, _ = text.partition("\n## ")
+    if f"](#{anchor})" in head:
+        return False
+    lines = text.split("\n")
+    items = [i for i, line in enumerate(lines[:head.count("\n") + 1]) if line.startswith("- [")]
+    if not items:
+        raise ValueError(f"{path} has no table of contents (a list of links before its first "
+                         f"'## ' section) to add {anchor!r} to.")
+    lines.insert(items[-1] + 1, f"- [{heading}](#{anchor})")
+    _replace_page(path, "\n".join(lines))
+    return True
+
+
+def _read_page(path: str) -> str:
+    if not os.path.exists(path):
+        return ""
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def _replace_page(path: str, text: str) -> None:
+    """Writes ``text`` to ``path`` through a temporary file renamed over it."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".benchmarks.", suffix=".md")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:

@@ -1,0 +1,746 @@
+"""Embedding tables of growing size: step time and peak memory per node, AutoDist against its peers.
+
+The model, as a Keras 3 user writes it: ``Input((8,), int32 ids) ->
+Embedding(ROWS, 64) -> GlobalAveragePooling1D (the mean of the 8 rows) ->
+Dense(256, relu) -> Dense(1)``, mean squared error, trained with ``model.fit``
+on synthetic numpy data: ids drawn uniformly over the whole table (so the 2048
+lookups of a node's step touch about 2030 distinct rows of a 100k-row table and
+nearly 2048 of the larger ones), targets standard normal. Every node fits 256
+rows per step.
+
+Table sizes (``--rows``): 100k, 1M and 10M rows (25.6 MB, 256 MB and 2.56 GB of
+float32). Optimizers (``--optimizers``): Keras ``SGD(0.01)`` and ``Adam(0.001)``
+(two slots the size of the table).
+
+Settings, each system against the same data:
+
+* ``one_node``: this machine, 2 CPU replicas (``keras_step_time``'s spec, as
+  ``configs/local_2cpu.yml``); ``batch_size=256``, 128 rows per replica. Peer:
+  ``MirroredStrategy`` over two logical CPU devices (``keras_step_time``'s job).
+* ``cluster``: 4 emulated nodes at 1 Gbit/s (``autodist emulate``, as
+  ``keras_step_time`` and ``peers`` build it), one CPU replica and process per
+  node, each node fitting its own rows with ``batch_size=256``. Peers:
+  ``MultiWorkerMirroredStrategy`` (``keras_step_time``'s worker job) and Horovod
+  0.28.1 with Gloo on TensorFlow 2.15 (``horovod_peer``'s venv and launch; the
+  first run builds the venv, about 5 minutes, as ``peers.py --setup-only`` does).
+
+Systems: AutoDist's ``--builders`` (default ``AllReduce PartitionedPS
+Parallax``) and the peers of ``--systems``. AutoStrategy is not measured yet.
+
+Method: as ``keras_step_time``: every run is a fresh job (on the cluster, a
+fresh process on every node); for each table size (smallest first) and
+optimizer, rounds are interleaved, each round starting one system later. A job
+times the batches after ``--warmup`` with ``keras_step_time``'s timer and
+reports the median; a system's figure is the median over rounds. Each process
+prints its peak resident memory at the end of ``fit`` (``VmHWM``, see
+``keras_step_time.peak_rss_gb``); the tables give the largest over the run's
+processes and rounds. *vs peer*: the peer's step time over the system's (above
+1: faster than the peer); the peer is Horovod on the cluster, MirroredStrategy
+on one node.
+
+Memory: the machine's nodes share its memory, and it has no swap. Before a run
+the script estimates each process's peak and skips the run ("skipped: needs ~X
+GB") unless processes x estimate fits in the memory available then less
+``--reserve-gb``. The estimate, per process, with T the table's bytes and S =
+T x (1 + slots): before the system has run with a smaller table, 1 GB + 2 x S
+(the Keras model's table and one more copy, with their slots); after one
+smaller table, at least the line from 0.5 GB at no table through its measured
+peak; after two, the line through the two largest measured; for a table it
+already ran with (an earlier round), its measured peak. While a job runs,
+a watchdog kills it (every process this script started, by id) if the
+machine's available memory falls below ``FLOOR_GB``; its row then says so, and
+that system is not run with larger tables.
+
+Goals (issue 31), with SGD: ``PartitionedPS`` and ``Parallax`` step time at 10M
+rows at most 1.5x their time at 100k rows; the best AutoDist builder at least
+2x Horovod's step rate at 1M and 10M rows; the peak memory of every node under
+``PartitionedPS`` at most its share of the table (with slots) plus 1.5 GB
+(checked with every optimizer run).
+
+Usage (root and iproute2 for the cluster setting):
+    python benchmarks/embeddings.py                        # everything; writes docs
+    python benchmarks/embeddings.py --settings one_node --rows 10000 --optimizers sgd \\
+        --rounds 1 --timed 3 --no-write
+    python benchmarks/embeddings.py --settings cluster --builders PartitionedPS --systems
+
+The tables are printed and, unless ``--no-write``, written into ``--out``
+between ``<!-- embeddings:begin -->`` and ``<!-- embeddings:end -->`` (with a
+contents entry). The emulated cluster is always removed, even after an error.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import signal
+import statistics
+import sys
+import threading
+import time
+import traceback
+
+import report
+import keras_step_time as kst  # both import only the standard library until a job runs
+import horovod_peer
+
+report.use_job_environment()  # before TensorFlow loads
+REPO = report.REPO
+
+BEGIN = "<!-- embeddings:begin -->"
+END = "<!-- embeddings:end -->"
+TITLE, ANCHOR = next(s for s in report.SECTIONS if s[0].endswith("(`embeddings`)"))
+NOTES = "notes/peers.md"  # how Horovod and MultiWorkerMirroredStrategy run
+
+IDS_PER_EXAMPLE = 8
+DIM = 64
+HIDDEN = 256
+ROWS_PER_NODE = 256
+DEFAULT_ROWS = (100_000, 1_000_000, 10_000_000)
+OPTIMIZERS = {"sgd": ("SGD", 0.01, 0), "adam": ("Adam", 0.001, 2)}
+"""name -> (Keras class, learning rate, slots the size of the table)."""
+DEFAULT_BUILDERS = ("AllReduce", "PartitionedPS", "Parallax")
+SETTINGS = kst.SETTINGS
+HOROVOD = horovod_peer.SYSTEM
+MIRRORED, MWMS = kst.PEERS["one_node"], kst.PEERS["cluster"]
+PEER_SYSTEMS = (HOROVOD, MIRRORED, MWMS)
+SETTING_PEERS = {"one_node": (MIRRORED,), "cluster": (HOROVOD, MWMS)}
+RATIO_PEER = {"one_node": MIRRORED, "cluster": HOROVOD}
+"""The peer the *vs peer* column compares with."""
+SHORT = {"one_node": "one node", "cluster": f"{kst.NUM_NODES} nodes"}
+PROCESSES = {"one_node": 1, "cluster": kst.NUM_NODES}
+REPLICAS_PER_NODE = {"one_node": kst.ONE_NODE_REPLICAS, "cluster": 1}
+CLUSTER_NAME = "ademb"
+MWMS_PORT = 15910
+
+BASE_GB = 1.0
+"""The a-priori estimate's memory of a process besides the table: TensorFlow, Keras, AutoDist."""
+EMPTY_GB = 0.5
+"""Where the one-point estimate's line starts at no table: below the 0.65 GB a job with a
+10k-row table peaks at here, so that the line errs high."""
+RESERVE_GB = 3.0
+FLOOR_GB = 2.0
+"""The watchdog stops a job when the machine's available memory falls below this."""
+
+PARTITIONED = ("PartitionedPS", "Parallax")
+GOAL_SMALL, GOAL_LARGE, GOAL_SCALING = 100_000, 10_000_000, 1.5
+GOAL_HOROVOD_ROWS, GOAL_HOROVOD = (1_000_000, 10_000_000), 2.0
+GOAL_RSS_EXTRA_GB = 1.5
+_GiB = 2 ** 30
+
+
+# --------------------------------------------------------------------------- the jobs
+
+def build_model(table_rows: int, optimizer: str, sequential=None, wrap_optimizer=None):
+    """The embedding model, compiled with ``optimizer`` and mean squared error.
+
+    Only API Keras 2 and 3 share, so Horovod's job (TensorFlow 2.15's Keras 2)
+    builds the same model; ``sequential`` and ``wrap_optimizer`` as for
+    ``keras_step_time.build_model``.
+    """
+    import keras
+    model = (sequential or keras.Sequential)([
+        keras.Input((IDS_PER_EXAMPLE,), dtype="int32"),
+        keras.layers.Embedding(table_rows, DIM),
+        keras.layers.GlobalAveragePooling1D(),
+        keras.layers.Dense(HIDDEN, activation="relu"),
+        keras.layers.Dense(1)])
+    name, rate, _ = OPTIMIZERS[optimizer]
+    chosen = getattr(keras.optimizers, name)(rate)
+    model.compile(optimizer=wrap_optimizer(chosen) if wrap_optimizer else chosen, loss="mse")
+    return model
+
+
+def synthetic_data(table_rows: int, seed: int, rows: int):
+    """``rows`` examples: ids uniform over the table, standard normal targets."""
+    import numpy as np
+    rng = np.random.RandomState(seed)
+    return (rng.randint(0, table_rows, size=(rows, IDS_PER_EXAMPLE)).astype(np.int32),
+            rng.standard_normal((rows, 1)).astype(np.float32))
+
+
+def run_job(args) -> None:
+    """This process's part of a job (``--_job``), on the model and data of ``args``."""
+    model = functools.partial(build_model, args.table_rows, args.optimizer)
+    data = functools.partial(synthetic_data, args.table_rows)
+    if args._job == "horovod":  # pylint: disable=protected-access
+        horovod_peer.job(args.warmup, args.timed, model, data, args.rows_per_replica)
+        return
+    jobs = {"autodist": functools.partial(kst.job_autodist, args.spec, args.builder),
+            "mirrored": kst.job_mirrored, "mwms": kst.job_mwms}
+    jobs[args._job](args.warmup, args.timed, model, data,  # pylint: disable=protected-access
+                    args.rows_per_replica)
+
+
+def job_args(kind: str, case, *extra: str) -> list:
+    """The script and arguments of a job of ``case`` (the driver's options plus the table's
+    rows, the optimizer and the rows per replica)."""
+    return [os.path.abspath(__file__), "--_job", kind, *extra,
+            "--warmup", str(case.warmup), "--timed", str(case.timed),
+            "--table-rows", str(case.table_rows), "--optimizer", case.optimizer,
+            "--rows-per-replica", str(case.rows_per_replica)]
+
+
+def job_argv(kind: str, case, *extra: str) -> list:
+    """``job_args`` run by this Python (``keras_step_time``'s ``job_argv``)."""
+    return [sys.executable, *job_args(kind, case, *extra)]
+
+
+# --------------------------------------------------------------------------- memory
+
+def table_gb(table_rows: int) -> float:
+    return table_rows * DIM * 4 / _GiB
+
+
+def available_gb() -> float:
+    """The machine's available memory (``MemAvailable``), GiB."""
+    with open("/proc/meminfo", encoding="utf-8") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) / 2 ** 20
+
+
+class MemoryEstimates:
+    """Peak memory per process, measured and estimated, per (setting, optimizer, system)."""
+
+    def __init__(self):
+        self.peaks = {}  # key -> {table rows: largest per-process peak seen, GiB}
+        self.out_of_memory = {}  # key -> the smallest table rows whose job the watchdog stopped
+
+    def record(self, key: tuple, table_rows: int, row: dict) -> None:
+        if row.get("out_of_memory"):
+            self.out_of_memory[key] = min(table_rows, self.out_of_memory.get(key, table_rows))
+        elif row.get("peak_rss_gb"):
+            points = self.peaks.setdefault(key, {})
+            points[table_rows] = max(points.get(table_rows, 0.0), max(row["peak_rss_gb"]))
+
+    def per_process_gb(self, key: tuple, table_rows: int, slots: int) -> float:
+        """The estimate of the module's docstring; for a table the system already ran
+        with, its measured peak."""
+        state = table_gb(table_rows) * (1 + slots)
+        a_priori = BASE_GB + 2 * state
+        points = self.peaks.get(key, {})
+        if table_rows in points:
+            return points[table_rows]
+        smaller = sorted((table_gb(r), peak) for r, peak in points.items() if r < table_rows)
+        size = table_gb(table_rows)
+        if len(smaller) >= 2:
+            (t1, p1), (t2, p2) = smaller[-2:]
+            return max(p2, p2 + (p2 - p1) / (t2 - t1) * (size - t2))
+        if smaller:
+            (t1, p1), = smaller
+            return max(a_priori, EMPTY_GB + (p1 - EMPTY_GB) / t1 * size)
+        return a_priori
+
+    def too_large(self, key: tuple, table_rows: int):
+        """The smaller table at which this system ran out of memory, or None."""
+        stopped = self.out_of_memory.get(key)
+        return stopped if stopped is not None and stopped <= table_rows else None
+
+
+def _parents() -> dict:
+    """pid -> parent pid of every live process on the machine (zombies left out)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
+                    state, parent = f.read().rpartition(")")[2].split()[:2]
+            except (OSError, ValueError):
+                continue
+            if state != "Z":
+                parents[int(entry)] = int(parent)
+    return parents
+
+
+def descendants() -> list:
+    """The ids of every process this one started, and theirs, and so on."""
+    parents = _parents()
+    found, frontier = [], [os.getpid()]
+    while frontier:
+        frontier = [pid for pid, parent in parents.items() if parent in frontier]
+        found += frontier
+    return found
+
+
+def _rss_gb(pids: list) -> float:
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/statm", encoding="utf-8") as f:
+                total += int(f.read().split()[1])
+        except (OSError, ValueError, IndexError):
+            pass
+    return total * os.sysconf("SC_PAGE_SIZE") / _GiB
+
+
+class MemoryWatchdog:
+    """While active, samples the memory of this process's descendants and, when the
+    machine's available memory falls below ``floor_gb``, kills them all (SIGKILL, by id).
+
+    Attributes:
+        stopped_at_gb: the available memory that made it stop the job, or None.
+        peak_gb: the largest sum of the descendants' resident memory it sampled.
+    """
+
+    def __init__(self, floor_gb: float, interval_s: float = 0.1, sample_every: int = 10):
+        self.floor_gb, self.interval_s, self.sample_every = floor_gb, interval_s, sample_every
+        self.stopped_at_gb, self.peak_gb = None, 0.0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._done.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        polls = 0
+        while not self._done.wait(self.interval_s):
+            polls += 1
+            available = available_gb()  # cheap; the process scan only every sample_every polls
+            if polls % self.sample_every == 0 or available < self.floor_gb:
+                pids = descendants()
+                self.peak_gb = max(self.peak_gb, _rss_gb(pids))
+            if available >= self.floor_gb:
+                continue
+            self.stopped_at_gb = available
+            deadline = time.monotonic() + 5.0  # also any process started meanwhile
+            while pids and time.monotonic() < deadline:
+                for pid in pids:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                time.sleep(0.2)
+                pids = descendants()
+            return
+
+
+# --------------------------------------------------------------------------- measuring
+
+def _label(table_rows: int) -> str:
+    for unit, name in ((1_000_000, "M"), (1_000, "k")):
+        if table_rows % unit == 0:
+            return f"{table_rows // unit}{name}"
+    return str(table_rows)
+
+
+def _systems(setting: str, args) -> list:
+    return list(args.builders) + [p for p in SETTING_PEERS[setting] if p in args.systems]
+
+
+def measure(setting: str, args, memory: MemoryEstimates) -> dict:
+    """Every case of ``setting``: (optimizer, table rows) -> system -> list of job rows."""
+    results = {}
+    ports = iter(range(MWMS_PORT, MWMS_PORT + 1000))
+    with kst.setting_spec(setting, CLUSTER_NAME) as (spec, cluster):
+        if cluster is not None and HOROVOD in args.systems:
+            import peers
+            peers.name_hosts(cluster)  # Horovod's Gloo opens its devices by host name
+        for optimizer in args.optimizers:
+            for table_rows in args.rows:
+                case = argparse.Namespace(**{
+                    **vars(args), "table_rows": table_rows, "optimizer": optimizer,
+                    "rows_per_replica": ROWS_PER_NODE // REPLICAS_PER_NODE[setting]})
+                job = functools.partial(_run_job, spec, cluster, ports, case)
+                run = functools.partial(_guarded, setting, case, memory, job)
+                label = f"{setting} {_label(table_rows)} rows {optimizer}"
+                results[(optimizer, table_rows)] = kst.run_rounds(
+                    label, _systems(setting, args), run, args.rounds, rotate=True)
+    return results
+
+
+def _run_job(spec: str, cluster, ports, case, system: str) -> dict:
+    """One job of ``system`` on ``case``: on this machine without ``cluster``, else on it."""
+    if system == HOROVOD:
+        if case.horovod_error:
+            return {"system": system, "error": case.horovod_error}
+        return horovod_peer.run(cluster, case.horovod_venv, case, job_args("horovod", case))
+    if cluster is None:
+        return kst.run_one_node(system, spec, case, job_argv)
+    return kst.run_cluster(system, spec, cluster, case, next(ports), job_argv)
+
+
+def _guarded(setting: str, case, memory: MemoryEstimates, job, system: str) -> dict:
+    """``job(system)`` if its memory fits, under the watchdog; a skipped row otherwise."""
+    key = (setting, case.optimizer, system)
+    stopped = memory.too_large(key, case.table_rows)
+    if stopped is not None:
+        return {"system": system, "skipped": True,
+                "error": f"skipped: ran out of memory at {_label(stopped)} rows"}
+    per_process = memory.per_process_gb(key, case.table_rows, OPTIMIZERS[case.optimizer][2])
+    need, available = per_process * PROCESSES[setting], available_gb()
+    if need > available - case.reserve_gb:
+        return {"system": system, "skipped": True, "needs_gb": need,
+                "error": f"skipped: needs ~{need:.1f} GB ({available:.1f} GB available, "
+                         f"{case.reserve_gb:g} GB of it kept free)"}
+    with MemoryWatchdog(FLOOR_GB) as watchdog:
+        try:
+            row = job(system)
+        except Exception as err:  # pylint: disable=broad-except
+            # One job's surprise in the driver costs its row, not the hours of the other runs.
+            traceback.print_exc()
+            row = {"system": system, "error": f"driver error: {type(err).__name__}: {err}"}
+    if watchdog.stopped_at_gb is not None:
+        row = {"system": system, "out_of_memory": True,
+               "error": f"stopped: the machine's available memory fell to "
+                        f"{watchdog.stopped_at_gb:.1f} GB (the job held ~{watchdog.peak_gb:.1f} GB)"}
+    memory.record(key, case.table_rows, row)
+    print(f"    memory: estimated {need:.1f} GB, sampled peak {watchdog.peak_gb:.1f} GB; "
+          "per process " + " ".join(f"{g:.2f}" for g in row.get("peak_rss_gb", [])), flush=True)
+    return row
+
+
+# --------------------------------------------------------------------------- summarizing
+
+def summarize(setting: str, results: dict) -> dict:
+    """(optimizer, table rows) -> system -> its summary: the median step over rounds, the
+    peak memory (largest over processes and rounds), the ratio vs the peer, errors."""
+    out = {}
+    for case, systems in results.items():
+        rows = {}
+        for system, runs in systems.items():
+            done = [r for r in runs if "median_s" in r]
+            row = {"system": system, "peer": system in PEER_SYSTEMS,
+                   "rounds": [r["median_s"] for r in done],
+                   "errors": [r["error"] for r in runs if "error" in r]}
+            if done:
+                row["median_s"] = statistics.median(row["rounds"])
+                peaks = [g for r in done for g in r.get("peak_rss_gb", [])]
+                row["peak_gb"] = max(peaks) if peaks else None
+            rows[system] = row
+        peer = rows.get(RATIO_PEER[setting], {})
+        for row in rows.values():
+            if "median_s" in row and "median_s" in peer and row is not peer:
+                row["vs_peer"] = peer["median_s"] / row["median_s"]
+        out[case] = rows
+    return out
+
+
+def _step(table: dict, optimizer: str, table_rows: int, system: str):
+    return table.get((optimizer, table_rows), {}).get(system, {}).get("median_s")
+
+
+def _short(error: str) -> str:
+    """A table cell for a run that did not finish: skipped (and why), stopped, or failed."""
+    if error.startswith("skipped"):
+        return error.split(" (")[0]
+    return "stopped: memory ran low" if error.startswith("stopped:") else "failed"
+
+
+def _why_missing(table: dict, optimizer: str, table_rows: int, system: str) -> str:
+    row = table.get((optimizer, table_rows), {}).get(system)
+    if row is None:
+        return f"{_label(table_rows)} not run"
+    return f"{_label(table_rows)} " + (_short(row["errors"][0]) if row["errors"]
+                                       else "not measured")
+
+
+def goal_verdicts(tables: dict, args) -> list:
+    """(goal text, {setting: (met or None, cell text)}) for each goal, over the settings run."""
+    out = []
+    for builder in PARTITIONED:
+        cells = {}
+        for setting, table in tables.items():
+            small, large = (_step(table, "sgd", r, builder) for r in (GOAL_SMALL, GOAL_LARGE))
+            if small is None or large is None:
+                missing = [_why_missing(table, "sgd", r, builder) for r, t in
+                           ((GOAL_SMALL, small), (GOAL_LARGE, large)) if t is None]
+                cells[setting] = (None, "not measured: " + "; ".join(missing))
+                continue
+            ratio = large / small
+            met = ratio <= GOAL_SCALING
+            cells[setting] = (met, f"{ratio:.2f}x ({small * 1e3:.0f} -> {large * 1e3:.0f} ms): "
+                                   + ("met" if met else "MISSED"))
+        out.append((f"`{builder}` step at {_label(GOAL_LARGE)} rows <= {GOAL_SCALING}x its step "
+                    f"at {_label(GOAL_SMALL)} (SGD)", cells))
+    for table_rows in GOAL_HOROVOD_ROWS:
+        cells = {}
+        for setting, table in tables.items():
+            if HOROVOD not in SETTING_PEERS[setting]:
+                cells[setting] = (None, "no Horovod here")
+                continue
+            horovod = _step(table, "sgd", table_rows, HOROVOD)
+            timed = [(s, _step(table, "sgd", table_rows, s)) for s in args.builders]
+            timed = [(s, t) for s, t in timed if t is not None]
+            if horovod is None or not timed:
+                cells[setting] = (None, "not measured: " + (
+                    _why_missing(table, "sgd", table_rows, HOROVOD) if horovod is None
+                    else f"no builder ran at {_label(table_rows)}"))
+                continue
+            best, time_s = min(timed, key=lambda st: st[1])
+            ratio = horovod / time_s
+            met = ratio >= GOAL_HOROVOD
+            cells[setting] = (met, f"{ratio:.2f}x (`{best}`): " + ("met" if met else "MISSED"))
+        out.append((f"best AutoDist builder >= {GOAL_HOROVOD:.0f}x Horovod at "
+                    f"{_label(table_rows)} rows (SGD)", cells))
+    for optimizer in args.optimizers:
+        slots = OPTIMIZERS[optimizer][2]
+        cells = {}
+        for setting, table in tables.items():
+            checked, worst = 0, None
+            for (opt, table_rows), rows in table.items():
+                row = rows.get("PartitionedPS", {})
+                if opt != optimizer or row.get("peak_gb") is None:
+                    continue
+                share = table_gb(table_rows) * (1 + slots) / PROCESSES[setting]
+                allowed = share + GOAL_RSS_EXTRA_GB
+                checked += 1
+                if worst is None or row["peak_gb"] - allowed > worst[0] - worst[1]:
+                    worst = (row["peak_gb"], allowed, table_rows)
+            if not checked:
+                cells[setting] = (None, "not measured")
+                continue
+            peak, allowed, table_rows = worst
+            met = peak <= allowed
+            cells[setting] = (met, f"{'closest' if met else 'worst'} at {_label(table_rows)}: "
+                                   f"{peak:.2f} of {allowed:.2f} GB ({checked} tables): "
+                                   + ("met" if met else "MISSED"))
+        out.append((f"`PartitionedPS` peak memory per node <= its share of the table "
+                    f"{'and slots ' if slots else ''}+ {GOAL_RSS_EXTRA_GB} GB "
+                    f"({OPTIMIZERS[optimizer][0]})", cells))
+    return out
+
+
+# --------------------------------------------------------------------------- reporting
+
+def _cells(row: dict) -> list:
+    """Step, peak memory, vs peer; a row that did not run says why in its step cell (the
+    whole message is listed below the tables)."""
+    if row is None:
+        return ["not run", "", ""]
+    if "median_s" not in row:
+        return [_short(row["errors"][0]) if row["errors"] else "not run", "", ""]
+    step = f"{row['median_s'] * 1e3:.1f}" + (f" ({len(row['errors'])} failed)"
+                                               if row["errors"] else "")
+    return [step, f"{row['peak_gb']:.2f}" if row.get("peak_gb") is not None else "-",
+            f"{row['vs_peer']:.2f}x" if "vs_peer" in row else ""]
+
+
+def _table_lines(setting: str, optimizer: str, table: dict, args, markdown: bool) -> list:
+    sizes = [r for r in args.rows if (optimizer, r) in table]
+    systems = _systems(setting, args)
+    peer = RATIO_PEER[setting]
+    header = ["system"] + [c for r in sizes for c in (
+        f"{_label(r)}: step ms", "peak RSS GB", f"vs {peer}")]
+    body = []
+    for system in systems:
+        name = f"`{system}`" + (" (peer)" if system in PEER_SYSTEMS else "") if markdown \
+            else system
+        body.append([name] + [c for r in sizes
+                              for c in _cells(table[(optimizer, r)].get(system))])
+    if markdown:
+        return (["| " + " | ".join(header) + " |", "|---|" + "--:|" * (len(header) - 1)]
+                + ["| " + " | ".join(line) + " |" for line in body])
+    widths = [max(len(line[i]) for line in [header] + body) for i in range(len(header))]
+    return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                      for i, (c, w) in enumerate(zip(line, widths))) for line in [header] + body]
+
+
+def _title(setting: str, optimizer: str) -> str:
+    name, rate, _ = OPTIMIZERS[optimizer]
+    where = kst.TITLES[setting].replace(", 1 CPU replica each", ", 1 CPU replica per node")
+    return f"{where}, {name}({rate})"
+
+
+def _problems(tables: dict) -> list:
+    """One line per system and case that did not run every round: why."""
+    out = []
+    for setting, table in tables.items():
+        for (optimizer, table_rows), rows in table.items():
+            for system, row in rows.items():
+                if row["errors"]:
+                    out.append(f"{SHORT[setting]}, {_label(table_rows)} rows, {optimizer}, "
+                               f"`{system}`: {row['errors'][0][:300]}")
+    return out
+
+
+def _findings(tables: dict, args) -> list:
+    """Per setting and optimizer: the fastest system at the largest table every system of
+    the table ran with, and the largest table each system ran with."""
+    out = []
+    for setting, table in tables.items():
+        for optimizer in args.optimizers:
+            ran = {s: [r for r in args.rows if "median_s" in table.get((optimizer, r), {}).get(
+                s, {})] for s in _systems(setting, args)}
+            ran = {s: sizes for s, sizes in ran.items() if sizes}
+            if not ran:
+                continue
+            common = [r for r in args.rows if all(r in sizes for sizes in ran.values())]
+            text = f"{SHORT[setting]}, {OPTIMIZERS[optimizer][0]}: "
+            if common:
+                rows = table[(optimizer, common[-1])]
+                fastest = min(ran, key=lambda s: rows[s]["median_s"])
+                leanest = min(ran, key=lambda s: rows[s]["peak_gb"] or float("inf"))
+                text += (f"at {_label(common[-1])} rows `{fastest}` is fastest "
+                         f"({rows[fastest]['median_s'] * 1e3:.0f} ms), `{leanest}` needs the "
+                         f"least memory ({rows[leanest]['peak_gb']:.2f} GB per process)")
+            short = [f"`{s}` up to {_label(sizes[-1])}" for s, sizes in ran.items()
+                     if sizes[-1] != args.rows[-1]]
+            if common or short:
+                out.append(text + ("; " if common and short else "") +
+                           ("ran only " + ", ".join(short) if short else "") + ".")
+    return out
+
+
+def _bytes(count: float) -> str:
+    """``25.6 MB``, ``256 MB``, ``2.56 GB``: three significant digits."""
+    return f"{count / 1e9:.3g} GB" if count >= 1e9 else f"{count / 1e6:.3g} MB"
+
+
+def format_section(tables: dict, verdicts: list, args, command: str, info: dict,
+                   start_load: str, elapsed: float, horovod_versions: str) -> str:
+    outcomes = [m for _, cells in verdicts for m, _ in cells.values()]
+    result = (f"{outcomes.count(True)} of the {len(outcomes)} checks (goal x setting) **met**, "
+              f"{outcomes.count(False)} **missed**, {outcomes.count(None)} not measured")
+    settings = list(tables)
+    sizes = ", ".join(f"{_label(r)} ({_bytes(table_gb(r) * _GiB)})" for r in args.rows)
+    lines = [
+        BEGIN, f"## {TITLE}", "",
+        f"**Measures:** Keras `fit` of `Input({IDS_PER_EXAMPLE} ids) -> Embedding(rows, {DIM}) "
+        f"-> mean -> Dense({HIDDEN}, relu) -> Dense(1)` (mean squared error, ids uniform over "
+        f"the table, {ROWS_PER_NODE} rows per node per step), tables of {sizes} of float32, "
+        f"under AutoDist's builders and its peers; median step over interleaved rounds, each "
+        "run a fresh job, and each run's largest peak resident memory over its processes "
+        "(largest over rounds).", "",
+        "**Goal** (issue 31): with SGD, `PartitionedPS` and `Parallax` step at 10M rows at most "
+        "1.5x their step at 100k; the best builder at least 2x Horovod's step rate at 1M and "
+        "10M rows; `PartitionedPS`'s peak memory per node at most its share of the table "
+        f"(with slots) plus 1.5 GB. **Result:** {result}.", "",
+        "| goal | " + " | ".join(SHORT[s] for s in settings) + " |",
+        "|---|" + "--:|" * len(settings),
+        *["| " + goal + " | " + " | ".join(cells[s][1] for s in settings) + " |"
+          for goal, cells in verdicts], "",
+        *[f"- {f}" for f in _findings(tables, args)], "",
+        f"Measured {info['date']} on {info['cores']} cores ({info['cpu']})"
+        + (", shared by the cluster's nodes" if "cluster" in tables else "") +
+        f"; AutoDist and tf.distribute on TensorFlow {info['tf']} with Keras "
+        f"{kst.keras_version()}, " + (f"Horovod on {horovod_versions}" if horovod_versions
+                                      else "Horovod not run") +
+        f"; Python {info['python']}; median "
+        f"of {args.rounds} rounds, each job {args.warmup} warm-up + {args.timed} timed batches, "
+        "1 intra-op / 2 inter-op threads per process; 1-minute load average "
+        f"{start_load} at the start, {info['load']} at the end; the run took "
+        f"{elapsed / 60:.0f} min.", "",
+        "Memory: a run is skipped unless its processes' estimated peaks fit in the memory "
+        f"available before it, less {args.reserve_gb:g} GB. Per process, with S the table "
+        f"with its slots: {BASE_GB:g} GB + 2 x S until the system has run with a smaller "
+        f"table; then at least the line from {EMPTY_GB:g} GB at no table through its measured "
+        "peak; after two smaller tables, the line through those two. A job is stopped if the "
+        f"machine's available memory falls below {FLOOR_GB:g} GB.", "",
+        "Command (root, iproute2; the first run also builds Horovod's venv, about 5 min): "
+        f"`{command}`", "",
+        "Step in ms; peak RSS in GB, the largest of the run's processes; *vs peer* = the "
+        "peer's step time / the system's (above 1: faster than the peer).", ""]
+    for setting, table in tables.items():
+        for optimizer in args.optimizers:
+            if any(opt == optimizer for opt, _ in table):
+                lines += [f"**{_title(setting, optimizer)}**", "",
+                          *_table_lines(setting, optimizer, table, args, True), ""]
+    problems = _problems(tables)
+    if problems:
+        lines += ["Runs that failed or were skipped:", "", *[f"- {p}" for p in problems], ""]
+    lines += [f"How Horovod and `MultiWorkerMirroredStrategy` run: [notes]({NOTES}).", END]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- main
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS),
+                        help="which settings to measure (default: both)")
+    parser.add_argument("--rows", nargs="+", type=int, default=list(DEFAULT_ROWS),
+                        help="table sizes, in rows of 64 floats (default: 100000 1000000 "
+                             "10000000)")
+    parser.add_argument("--optimizers", nargs="+", choices=tuple(OPTIMIZERS),
+                        default=list(OPTIMIZERS), help="(default: sgd adam)")
+    parser.add_argument("--builders", nargs="*", default=list(DEFAULT_BUILDERS),
+                        help=f"AutoDist builders (default: {' '.join(DEFAULT_BUILDERS)})")
+    parser.add_argument("--systems", nargs="*", choices=PEER_SYSTEMS, default=list(PEER_SYSTEMS),
+                        help="peers, each run where it applies: MirroredStrategy on one node, "
+                             "Horovod and MultiWorkerMirroredStrategy on the cluster (default: "
+                             "all)")
+    kst.add_job_args(parser)
+    parser.set_defaults(timeout=900.0)
+    parser.add_argument("--reserve-gb", type=float, default=RESERVE_GB,
+                        help="memory left free when deciding whether a run fits (default: "
+                             f"{RESERVE_GB:g})")
+    parser.add_argument("--horovod-venv", default=horovod_peer.DEFAULT_VENV,
+                        help=f"Horovod's venv, built when it does not import Horovod "
+                             f"(default: {horovod_peer.DEFAULT_VENV})")
+    parser.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks.md"),
+                        help="markdown file whose embeddings section is rewritten")
+    parser.add_argument("--no-write", action="store_true", help="only print the tables")
+    parser.add_argument("--_job", choices=("autodist", "mirrored", "mwms", "horovod"),
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    parser.add_argument("--builder", help=argparse.SUPPRESS)
+    parser.add_argument("--table-rows", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--optimizer", choices=tuple(OPTIMIZERS), help=argparse.SUPPRESS)
+    parser.add_argument("--rows-per-replica", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args._job:  # pylint: disable=protected-access
+        run_job(args)
+        return 0
+    for builder in args.builders:
+        try:
+            report.parse_builder(builder)
+        except ValueError as err:
+            parser.error(str(err))
+    kst.check_job_args(parser, args)
+    if any(r < 1 for r in args.rows):
+        parser.error("--rows must be positive.")
+    args.settings = [s for s in SETTINGS if s in args.settings]
+    args.rows = sorted(set(args.rows))  # smallest first: the memory estimates learn from them
+    args.optimizers = [o for o in OPTIMIZERS if o in args.optimizers]
+    if not any(_systems(s, args) for s in args.settings):
+        parser.error("nothing to run: give at least one of --builders and --systems.")
+    return horovod_peer.run_benchmark(
+        args, HOROVOD in args.systems and "cluster" in args.settings, lambda: _run(parser, args))
+
+
+def _run(parser, args) -> int:
+    runs_horovod = HOROVOD in args.systems and "cluster" in args.settings
+    horovod_versions = (horovod_peer.versions(args.horovod_venv)
+                        if runs_horovod and not args.horovod_error else "")
+    print(f"tables {', '.join(f'{_label(r)} rows ({table_gb(r):.2f} GiB)' for r in args.rows)}; "
+          f"optimizers {args.optimizers}; builders {args.builders}; peers {args.systems}; "
+          f"{available_gb():.1f} GiB available; Horovod: {horovod_versions or 'not run'}",
+          flush=True)
+    start, start_load = time.perf_counter(), report.machine_info()["load"]
+    memory, tables = MemoryEstimates(), {}
+    for setting in args.settings:
+        tables[setting] = summarize(setting, measure(setting, args, memory))
+    elapsed = time.perf_counter() - start
+    info = report.machine_info()
+    for setting, table in tables.items():
+        for optimizer in args.optimizers:
+            print(f"\n{_title(setting, optimizer)}; median of {args.rounds} rounds; step ms; "
+                  f"peak RSS GB (largest process); vs {RATIO_PEER[setting]} = its time / time")
+            print("\n".join(_table_lines(setting, optimizer, table, args, False)))
+    verdicts = goal_verdicts(tables, args)
+    print("\nGoals:")
+    for goal, cells in verdicts:
+        print(f"  {goal.replace('`', '')}: " +
+              "; ".join(f"{SHORT[s]} {text}" for s, (_, text) in cells.items()))
+    for line in _findings(tables, args) + _problems(tables):
+        print("- " + line.replace("`", ""))
+    print(f"\nload average {start_load} at the start, {info['load']} at the end; "
+          f"run took {elapsed:.0f} s")
+    if not args.no_write:
+        command = report.command_line("benchmarks/embeddings.py", parser, args,
+                                      skip=("out", "no_write", "horovod_venv"))
+        report.write_section(args.out, format_section(tables, verdicts, args, command, info,
+                                                      start_load, elapsed, horovod_versions),
+                             BEGIN, END)
+        report.add_contents_entry(args.out, TITLE, ANCHOR)
+        print(f"wrote the embeddings section of {args.out}")
+    return 1 if any(m is False for _, cells in verdicts for m, _ in cells.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
