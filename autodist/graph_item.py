@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import warnings
 from typing import Dict, Optional, Sequence
 
@@ -30,6 +31,11 @@ class VariableInfo:
         updates_rows: whether the optimizer's update writes only the rows its
             sparse gradient names (a scatter, as SGD's; Adam's writes every
             row), so that a copy of the variable stays in step by those rows.
+        rows_gathered: rows (with repeats) one replica's step gathers through
+            ids of a fixed shape (a position table's ``range(length)``).
+        rows_gathered_per_example: rows it gathers per example through ids
+            with a batch dimension (8 for ids of shape ``[batch, 8]``). With
+            neither known, one per example (see ``rows_touched``).
     """
 
     name: str
@@ -40,6 +46,14 @@ class VariableInfo:
     ready_rank: int = 0
     read_whole: bool = False
     updates_rows: bool = False
+    rows_gathered: int = 0
+    rows_gathered_per_example: int = 1
+
+    def rows_touched(self, batch_size: int) -> int:
+        """Rows one replica's step looks up (repeats counted, at most every row) with
+        ``batch_size`` examples: what its sparse gradient and its gathers carry."""
+        rows = self.rows_gathered + self.rows_gathered_per_example * batch_size
+        return min(rows, int(self.shape[0])) if self.shape else rows
 
     @property
     def num_elements(self) -> int:
@@ -297,7 +311,8 @@ class GraphItem:
                          has_grad=v.op.name in self.gradients,
                          ready_rank=ranks.get(v.op.name, 0),
                          read_whole=self.reads[v.op.name].whole,
-                         updates_rows=v.op.name in updates_rows)
+                         updates_rows=v.op.name in updates_rows,
+                         **self._rows_gathered(self.reads[v.op.name]))
             for v in self._trainables]
         # optimizer call index -> its gradient processing, where it has one
         self.processing = {index: self._processing(call)
@@ -359,6 +374,27 @@ class GraphItem:
             reads[name] = VariableReads(tuple(gathers), tuple(unused), whole,
                                         {k: tuple(v) for k, v in waiting.items()})
         return reads
+
+    def _rows_gathered(self, reads: "VariableReads") -> Dict[str, int]:
+        """``VariableInfo``'s row counts, from the static shapes of a variable's gathered ids.
+
+        A leading dimension left free counts per example; ids of unknown rank,
+        or a free inner dimension, count one row per example, as does a
+        variable no gather reads (a sparse gradient from another op).
+        """
+        fixed, per_example = 0, 0
+        for gather in reads.gathers:
+            shape = self.graph.get_operation_by_name(gather.gather).inputs[1].shape
+            dims = shape.as_list() if shape.rank is not None else [None, None]
+            if None not in dims:
+                fixed += math.prod(dims)
+            elif dims[0] is None and None not in dims[1:]:
+                per_example += math.prod(dims[1:])
+            else:
+                per_example += 1
+        if not reads.gathers:
+            per_example = 1
+        return {"rows_gathered": fixed, "rows_gathered_per_example": per_example}
 
     def _updated_by_rows(self) -> frozenset:
         """Variables synchronized as IndexedSlices whose update only scatters into them.

@@ -370,6 +370,16 @@ def test_sparse_ps_moves_touched_rows_but_a_proxy_copies_the_whole_part_unless_r
                                     + SERVING)
 
 
+def test_a_table_touches_its_ids_per_example_times_the_batch():
+    strategy = strategy_of(ONE_PLUS_THREE, common.ps_node_config("emb", f"{A}:CPU:0"))
+    plain = VariableInfo("emb", (1000, 64), "float32", sparse_grad=True)
+    eight_ids = dataclasses.replace(plain, rows_gathered_per_example=8)
+    assert predict(strategy, [eight_ids], ONE_PLUS_THREE, batch_size=10) == pytest.approx(
+        predict(strategy, [plain], ONE_PLUS_THREE, batch_size=10, rows_touched={"emb": 80}))
+    assert predict(strategy, [eight_ids], ONE_PLUS_THREE, batch_size=10) > predict(
+        strategy, [plain], ONE_PLUS_THREE, batch_size=10)
+
+
 @pytest.mark.parametrize("read_whole", [False, True], ids=["gathered", "also read whole"])
 def test_a_partitioned_table_is_pulled_by_its_touched_rows_unless_read_whole(read_whole):
     # The replicas gather their rows from the parts, 5 of each replica's 10 per part,

@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from autodist import AutoDist
+from autodist import AutoDist, _tf_compat
+from autodist.graph_item import GraphItem
+from autodist.simulator import format_rows_touched
 from autodist.strategy import PS, PartitionedPS, UnevenPartitionedPS
 from autodist.strategy.ps_builders import sharded_ps_node_configs
 from test_equivalence import train_autodist, train_single
@@ -115,6 +117,30 @@ def test_a_step_moves_the_rows_it_touches_not_the_table(spec_path, builder):
     assert large_largest < 64 * 32 * 4 * 2, large_largest
     assert large_total < table_bytes / 20, (large_total, table_bytes)
     assert large_total < 1.5 * small_total, (small_total, large_total)
+
+
+def test_the_rows_a_step_touches_are_read_from_the_gathers_ids():
+    """The cost model's estimate: 8 ids per example for the token table, the 8 positions
+    whatever the batch."""
+    calls = []
+    with tf.Graph().as_default() as graph, _tf_compat.capture_apply_gradients(calls.append):
+        ids = tf1.placeholder(tf.int32, [None, 8])
+        tokens = tf1.get_variable("tokens", [1000, 4], use_resource=True)
+        positions = tf1.get_variable("positions", [8, 4], use_resource=True)
+        hidden = tf.nn.embedding_lookup(tokens, ids) + tf.gather(positions, tf.range(8))
+        loss = tf.reduce_sum(hidden)
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    infos = {v.name: v for v in GraphItem(graph, calls).trainable_variables}
+    assert (infos["tokens"].rows_gathered, infos["tokens"].rows_gathered_per_example) == (0, 8)
+    assert (infos["positions"].rows_gathered,
+            infos["positions"].rows_gathered_per_example) == (8, 0)
+    assert infos["tokens"].rows_touched(32) == 256
+    assert infos["tokens"].rows_touched(500) == 1000  # at most every row
+    assert infos["positions"].rows_touched(32) == 8
+    text = format_rows_touched(infos.values(), 32)
+    assert "tokens: 256 of 1,000 rows (8 per example x batch 32); read by rows" in text
+    # Every replica gathers the same positions: their gradients are summed dense.
+    assert "positions" not in text and not infos["positions"].sparse_grad
 
 
 # ----------------------------------------------------------------------------- Keras

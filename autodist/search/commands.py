@@ -68,7 +68,7 @@ def _search(args: argparse.Namespace) -> int:
 
 def _explain(args: argparse.Namespace) -> int:
     from autodist.resource_spec import ResourceSpec
-    from autodist.simulator import CostModel, format_breakdown
+    from autodist.simulator import CostModel, format_breakdown, format_rows_touched
     from autodist.strategy import Strategy
     from autodist.search.builder import SearchSettings
     from autodist.strategy.common import check_int
@@ -90,6 +90,8 @@ def _explain(args: argparse.Namespace) -> int:
     print(f"Strategy {strategy.id} on {captured.spec}: predicted "
           f"{1e3 * breakdown.total:.2f} ms of synchronization per step\n")
     print(format_breakdown(breakdown, top=args.top), end="")
+    rows = format_rows_touched([v.info for v in compiled.variables.values()], args.batch_size)
+    print("\n" + rows if rows else "", end="")
     return 0
 
 

@@ -8,8 +8,8 @@ that ``ranking.RankingSimulator`` (an RNN refined by measured trials) scores;
 Keras and is imported from its module, so importing this package stays light.
 """
 from autodist.simulator.cost_model import COMPONENTS, CostBreakdown, CostModel, CostRow, CostWeights
-from autodist.simulator.explain import format_breakdown
+from autodist.simulator.explain import format_breakdown, format_rows_touched
 from autodist.simulator.traffic import sparse_grad_bytes
 
 __all__ = ["COMPONENTS", "CostBreakdown", "CostModel", "CostRow", "CostWeights",
-           "format_breakdown", "sparse_grad_bytes"]
+           "format_breakdown", "format_rows_touched", "sparse_grad_bytes"]

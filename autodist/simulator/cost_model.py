@@ -224,7 +224,8 @@ class CostModel:
             resource_spec: the cluster; its ``network_bandwidth`` (Gbit/s) per
                 node, ``DEFAULT_BANDWIDTH_GBPS`` for a node it lacks.
             batch_size: examples per replica and step; a sparse-gradient
-                variable touches ``min(rows, batch_size)`` rows unless
+                variable touches ``VariableInfo.rows_touched(batch_size)`` rows
+                (its gathers' ids per example times the batch) unless
                 ``rows_touched`` says otherwise.
             rows_touched: variable name -> rows one replica's step touches.
             accumulation_steps: runs per sync (``AutoDist(accumulation_steps=...)``);

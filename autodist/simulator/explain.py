@@ -1,7 +1,7 @@
 """Readable text for a cost breakdown: where a strategy's predicted time goes."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, Iterable, List, Optional
 
 from autodist.simulator.cost_model import COMPONENTS, CostBreakdown
 
@@ -62,3 +62,29 @@ def format_breakdown(breakdown: CostBreakdown, top: Optional[int] = 20) -> str:
                      f"{breakdown.weights[name]:>12.4g}{_ms(seconds):>12}{share:>8.1%}")
     lines.append(f"{'total':<20}{'':>14}{'':>12}{_ms(total):>12}")
     return "\n".join(lines) + "\n"
+
+
+def format_rows_touched(variables: Iterable, batch_size: int) -> str:
+    """Says, per variable with a sparse gradient, how many rows the cost model takes
+    one replica's step to touch (its gradient's rows and, unless read whole, its reads).
+
+    Args:
+        variables: ``VariableInfo`` objects.
+        batch_size: examples per replica and step.
+
+    Returns:
+        str: the text, ending with a newline; empty without sparse gradients.
+    """
+    lines = []
+    for info in variables:
+        if not info.sparse_grad:
+            continue
+        terms = ([f"{info.rows_gathered_per_example} per example x batch {batch_size}"]
+                 if info.rows_gathered_per_example else [])
+        terms += [f"{info.rows_gathered} fixed"] if info.rows_gathered else []
+        read = "read whole" if info.read_whole else "read by rows"
+        lines.append(f"  {info.name}: {info.rows_touched(batch_size):,} of {int(info.shape[0]):,} "
+                     f"rows ({' + '.join(terms)}); {read}")
+    if not lines:
+        return ""
+    return "\n".join(["Rows one replica's step touches (from the gathers' ids):"] + lines) + "\n"

@@ -193,7 +193,8 @@ def sync_parts(strategy: Any, variables: Sequence[Any], batch_size: int,
         strategy: a ``CompiledStrategy`` or a ``Strategy``.
         variables: ``VariableInfo`` objects (unused for a ``CompiledStrategy``).
         batch_size: examples per replica and step; a sparse-gradient variable
-            touches ``min(rows, batch_size)`` rows unless ``rows_touched`` says otherwise.
+            touches ``VariableInfo.rows_touched(batch_size)`` rows (its gathers'
+            ids per example times the batch) unless ``rows_touched`` says otherwise.
         rows_touched: variable name -> rows one replica's step touches.
 
     Returns:
@@ -218,7 +219,7 @@ def sync_parts(strategy: Any, variables: Sequence[Any], batch_size: int,
         info = by_name[name]
         partitioner = node.partitioner
         split = _split_bytes(tuple(info.shape), info.dtype, info.sparse_grad, partitioner,
-                             rows_touched.get(name, batch_size))
+                             rows_touched.get(name, info.rows_touched(batch_size)))
         for unit, (value_bytes, grad_bytes) in zip(
                 node.part_config if partitioner else (node,), split):
             kind = synchronizer_kind(unit, strategy.id)
