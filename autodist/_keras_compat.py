@@ -4,7 +4,8 @@ What the Keras front end needs that Keras exposes no public hook for: seeing
 what a Keras optimizer is asked to apply while a step is traced (and having a
 ``LossScaleOptimizer`` apply through AutoDist's version of its step), seeing an
 optimizer applied eagerly inside ``ad.scope()`` (a loop AutoDist does not
-distribute), and seeing which models are compiled there. Each is a patch of a
+distribute), seeing which models are compiled there, and creating large
+variables without a value (``defer_large_variables``). Each is a patch of a
 class method that a context manager always restores.
 """
 from __future__ import annotations
@@ -14,8 +15,13 @@ import dataclasses
 from typing import Callable, Iterator, Optional
 
 import keras
+import numpy as np
 import tensorflow as tf
+from keras.src.backend.tensorflow import core as tf_backend
+from keras.src.initializers import random_initializers
 from keras.src.optimizers import base_optimizer, loss_scale_optimizer
+
+from autodist import _tf_compat
 
 
 @dataclasses.dataclass
@@ -181,3 +187,48 @@ def compile_state(model: keras.Model) -> tuple:
 def all_layers(model: keras.Model) -> list:
     """Every layer of ``model``, nested ones and ``model`` itself included."""
     return list(model._flatten_layers())  # pylint: disable=protected-access
+
+
+@contextlib.contextmanager
+def defer_large_variables(min_bytes: int) -> Iterator[None]:
+    """Within the block, eager Keras variables (not scalars) of ``min_bytes`` or more
+    whose initializer is a function of shape and dtype alone are created as
+    ``DeferredVariable`` s.
+
+    Such a variable takes its initializer's value at its first use, the value it
+    would have had at creation (Keras draws a random initializer's seed when the
+    initializer is made). An initializer that may draw from shared state (a
+    ``SeedGenerator`` seed, a user's own function) is run at creation as usual.
+    The original method is always restored on exit.
+    """
+    owner = tf_backend.Variable
+    original = owner._initialize_with_initializer  # pylint: disable=protected-access
+
+    def initialize(self, initializer):
+        shape, dtype = tuple(self._shape), self._dtype  # pylint: disable=protected-access
+        size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        with tf.init_scope():  # a tf.compat.v1 graph's variables are the graph's own
+            eager = tf.executing_eagerly()
+        if not eager or size < min_bytes or not shape or not _pure_initializer(initializer):
+            return original(self, initializer)
+        self._initialize(_tf_compat.DeferredVariable(  # pylint: disable=protected-access
+            lambda: initializer(shape, dtype=dtype), shape=shape, dtype=dtype,
+            trainable=self.trainable, name=self.name))
+        return None
+
+    owner._initialize_with_initializer = initialize  # pylint: disable=protected-access
+    try:
+        yield
+    finally:
+        owner._initialize_with_initializer = original  # pylint: disable=protected-access
+
+
+def _pure_initializer(initializer) -> bool:
+    """Whether ``initializer(shape, dtype)`` always gives the same value: one of Keras's
+    own, with an integer seed when it is random."""
+    if not isinstance(initializer, keras.initializers.Initializer):
+        return False
+    if not type(initializer).__module__.startswith("keras."):
+        return False
+    return (not isinstance(initializer, random_initializers.RandomInitializer)
+            or isinstance(initializer.seed, int))

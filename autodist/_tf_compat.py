@@ -3,18 +3,21 @@
 What AutoDist needs that TensorFlow exposes no public hook for: capturing what a
 ``tf.compat.v1`` optimizer is asked to apply, re-using that optimizer's
 hyper-parameters (and finding its non-slot state and the op updating each
-variable) in the rewritten graph, a fast graph import, and checkpoint entries
-whose saved value and restore are custom.
+variable) in the rewritten graph, a fast graph import, checkpoint entries
+whose saved value and restore are custom, and eager variables whose value comes
+at their first use (``DeferredVariable``).
 """
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import dataclasses
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops
 
 _V1Optimizer = tf.compat.v1.train.Optimizer
 _COPY_MARK = "_autodist_copy"  # set on optimizer_for_graph's copies, which are not captured
@@ -235,10 +238,83 @@ def eager_snapshot(variable: tf.Variable) -> np.ndarray:
 
     No bytes are copied: a later write of the variable gets a buffer of its own,
     leaving the snapshot as it was (at the cost of one copy, while it is kept).
+    A ``DeferredVariable`` first gets its value.
     """
     from tensorflow.python.eager import context
+    if isinstance(variable, DeferredVariable):
+        variable.materialize()
     with context.eager_mode():
         return np.asarray(variable.read_value())
+
+
+_LIFTING = contextvars.ContextVar("autodist_lifting", default=False)
+
+
+@contextlib.contextmanager
+def lifting() -> Iterator[None]:
+    """Within the block, tracing a step and lifting it leaves ``DeferredVariable`` s
+    without a value: AutoDist reads their shape and dtype, never their value."""
+    token = _LIFTING.set(True)
+    try:
+        yield
+    finally:
+        _LIFTING.reset(token)
+
+
+class DeferredVariable(resource_variable_ops.UninitializedVariable):
+    """An eager resource variable that gets its value at its first use.
+
+    Until then it has a handle, a shape and a dtype but no buffer: a large
+    table AutoDist keeps in parts on other nodes costs this process nothing.
+    Any use of it outside ``lifting()`` (a read, a write, a ``tf.function``
+    capturing it) first assigns ``source()``: its initial value, or once AutoDist
+    has trained it, AutoDist's value (``defer``).
+
+    Args:
+        initial_value: builds the initial value in the current graph or eagerly
+            (a Keras initializer's call: deterministic, so every call agrees).
+        shape, dtype, trainable, name: as ``tf.Variable``'s.
+    """
+
+    def __init__(self, initial_value: Callable[[], tf.Tensor], *, shape, dtype,
+                 trainable: bool, name: str):
+        self._source = initial_value
+        self._on_set = None
+        super().__init__(shape=shape, dtype=dtype, trainable=trainable, name=name)
+        self.initial_value_fn = initial_value
+
+    @property
+    def deferred(self) -> bool:
+        """Whether it still has no value of its own."""
+        return self._source is not None
+
+    @property
+    def at_initial_value(self) -> bool:
+        """Whether it has no value of its own yet and will take its initial value."""
+        return self._source is self.initial_value_fn
+
+    @property
+    def handle(self):
+        if self._source is not None and not _LIFTING.get():
+            self.materialize()
+        return self._handle
+
+    def materialize(self) -> None:
+        """Gives it its value now, if it has none."""
+        if self._source is None:
+            return
+        from tensorflow.python.eager import context
+        source, self._source = self._source, None
+        with context.eager_mode():  # also inside a tf.compat.v1 graph
+            self.assign(source())
+        if self._on_set is not None:
+            self._on_set(self)
+
+    def defer(self, source: Callable, on_set: Optional[Callable] = None) -> None:
+        """Takes the value from ``source()`` at the next use, and then calls
+        ``on_set(self)``; only while it has no value of its own."""
+        assert self.deferred, "a variable with a value is written, not deferred"
+        self._source, self._on_set = source, on_set
 
 
 def variable_from_graph(variable: tf.Variable, graph: tf.Graph) -> tf.Variable:

@@ -14,6 +14,7 @@ import tensorflow as tf
 from autodist import _keras_compat, _tf_compat
 from autodist.cluster import runtime
 from autodist.graph_item import GraphItem
+from autodist.keras import step as keras_step
 from autodist.keras.fit import distribute_fit
 from autodist.keras.function import DistributedFunction
 from autodist.keras.saving import save_grace
@@ -141,11 +142,14 @@ class AutoDist:
         A Keras model compiled in here trains through AutoDist in ``fit`` (also
         when ``fit`` is called after the block). A Keras optimizer applied
         eagerly in here (a training loop without ``@ad.function``) trains on
-        one device; AutoDist warns once when it does.
+        one device; AutoDist warns once when it does. A large weight made in
+        here gets its value when first used (``keras.step.DEFERRED_VARIABLE_BYTES``),
+        so a node that trains it only in parts held elsewhere never holds it whole.
         """
         with _tf_compat.capture_apply_gradients(self._optimizer_calls.append), \
                 _keras_compat.capture_compile(self._distribute_fit), \
-                _keras_compat.report_eager_apply(self._warn_eager_step):
+                _keras_compat.report_eager_apply(self._warn_eager_step), \
+                _keras_compat.defer_large_variables(keras_step.DEFERRED_VARIABLE_BYTES):
             yield
 
     def _warn_eager_step(self, optimizer) -> None:

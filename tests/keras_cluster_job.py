@@ -6,7 +6,7 @@ training must equal single-device ``fit`` on the whole global batch, which
 ``reference`` computes.
 
     python keras_cluster_job.py SPEC BUILDER OUT [--epochs N] [--die-at STEP]
-                                [--checkpoint PATH [--stop-in-save N]]
+                                [--checkpoint PATH [--stop-in-save N]] [--defer-bytes N]
 """
 import argparse
 import json
@@ -93,7 +93,12 @@ def main() -> None:
     parser.add_argument("--checkpoint", help="every node saves its weights here each epoch")
     parser.add_argument("--stop-in-save", type=int, default=0,
                         help="the chief gets SIGTERM in the middle of this save")
+    parser.add_argument("--defer-bytes", type=int,
+                        help="weights this large get no eager value until read")
     args = parser.parse_args()
+    if args.defer_bytes is not None:
+        from autodist.keras import step
+        step.DEFERRED_VARIABLE_BYTES = args.defer_bytes
 
     ad = AutoDist(args.spec, get_builder(args.builder))
     replicas = ad.resource_spec.replica_devices
@@ -116,6 +121,11 @@ def main() -> None:
                                                          save_weights_only=True))
     history = model.fit([ids[rows], x[rows]], y[rows], batch_size=ROWS_PER_REPLICA * count,
                         epochs=args.epochs, shuffle=False, verbose=0, callbacks=callbacks)
+    without_value = sorted(
+        [v.path for v in model.variables if getattr(v.value, "deferred", False)]
+        + [v.path.split("/", 1)[-1] for v in model.optimizer.variables  # no "adam_1/"
+           if getattr(v.value, "deferred", False)])
+    print(f"node {ad.node_index} holds no value of {without_value}", flush=True)
     # Each node writes its own file: the nodes' printed lines may interleave.
     with open(f"{args.out}.history-{ad.node_index}.json", "w") as target:
         json.dump(history.history, target)

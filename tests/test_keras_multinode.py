@@ -70,6 +70,28 @@ def test_fit_on_a_cluster_equals_single_device_fit(request, tmp_path, cluster_na
 
 
 @pytest.mark.timeout(240)
+def test_no_node_holds_a_whole_copy_of_a_table_kept_in_parts(three_nodes, tmp_path):
+    """The embedding and its Adam moments, partitioned over the three nodes, never get an
+    eager value on any node during fit: each server computes its part's initial rows.
+    Reading the weights afterwards (the chief's get_weights) fetches the trained ones."""
+    cluster, spec = three_nodes
+    out = tmp_path / "weights.npz"
+    table_bytes = 12 * 4 * 4  # the first dense kernel (9 x 6) is deferred too
+    done = _run_job(cluster, spec, "PartitionedPS", out, "--defer-bytes", str(table_bytes))
+    assert done.returncode == 0, done.stderr[-3000:]
+    deferred = ["dense/kernel", "dense_kernel_momentum", "dense_kernel_velocity",
+                "embedding/embeddings", "embedding_embeddings_momentum",
+                "embedding_embeddings_velocity"]
+    for node in range(3):
+        assert f"node {node} holds no value of {deferred}" in done.stdout, done.stdout
+    want, _ = keras_cluster_job.reference(sum(h.num_cpus for h in cluster.hosts), EPOCHS)
+    got = np.load(out)
+    for i, expected in enumerate(want):
+        np.testing.assert_allclose(got[f"arr_{i}"], expected, rtol=1e-5, atol=1e-5)
+    _assert_no_job_left()
+
+
+@pytest.mark.timeout(240)
 def test_a_worker_killed_mid_fit_is_reported_by_name(two_nodes, tmp_path):
     cluster, spec = two_nodes
     done = _run_job(cluster, spec, "AllReduce", tmp_path / "w.npz", "--die-at", "1")

@@ -104,6 +104,14 @@ class DistributedStep:
             slots: also copy the optimizer's slots.
         """
         reads = [(v, t) for v, t in self._reads if self._selected(v, weights, slots)]
+        # A variable without a value yet (a table other nodes hold in parts) gets
+        # AutoDist's at its first use, if any: fetching it now would put the whole
+        # table on this node.
+        for variable, tensor in reads:
+            if getattr(variable, "deferred", False):
+                variable.defer(functools.partial(self._session.tf_session.run, tensor),
+                               on_set=self._synced_now)
+        reads = [(v, t) for v, t in reads if not getattr(v, "deferred", False)]
         values = self._session.tf_session.run([tensor for _, tensor in reads])
         for (variable, _), value in zip(reads, values):
             # Without the old snapshot the variable's buffer is its own, written in place
@@ -111,6 +119,10 @@ class DistributedStep:
             self._synced.pop(id(variable), None)
             variable.assign(_as_tensor_in_place(value))
             self._synced[id(variable)] = eager_snapshot(variable)
+
+    def _synced_now(self, variable) -> None:
+        """Records a deferred variable's value, just fetched, as copied."""
+        self._synced[id(variable)] = eager_snapshot(variable)
 
     def copy_from_eager_if_changed(self, weights: bool = True, slots: bool = True) -> None:
         """Copies the eager variables' values to AutoDist's where Keras code changed them.

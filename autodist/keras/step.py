@@ -18,16 +18,21 @@ from typing import Callable, Optional
 import numpy as np
 import tensorflow as tf
 
-from autodist import _keras_compat
+from autodist import _keras_compat, _tf_compat
 from autodist._tf_compat import eager_snapshot
 from autodist.graph_item import RESOURCE_WRITES, GraphItem
 from autodist.keras import captures, loss_scale
-from autodist.keras.update import KerasOptimizerCall
+from autodist.keras.update import GraphInitialValue, KerasOptimizerCall
 from autodist.session import as_tf_variable
 
 _SCOPE = "step"
 TRAIN_OP = "autodist_keras_train_op"
 STATE_OP = "autodist_keras_state_updates"
+# Keras variables this large, made in ``ad.scope()`` or by an optimizer's first
+# step, get no value until used (``DeferredVariable``): the lifted graph computes
+# their initial value, part by part where they are partitioned, so a node holds
+# no copy of a table it does not own.
+DEFERRED_VARIABLE_BYTES = 64 * 2 ** 20
 
 
 @dataclasses.dataclass
@@ -185,7 +190,8 @@ def trace_step(fn: Callable, args: tuple, replicas: Optional[int] = None,
     python_function = getattr(fn, "python_function", fn)  # a tf.function's own body
     specs = tf.nest.map_structure(lambda a: argument_spec(a, replicas), args)
     calls = []
-    with _keras_compat.capture_optimizer_apply(calls.append, loss_scale.apply_without_cond):
+    with _keras_compat.capture_optimizer_apply(calls.append, loss_scale.apply_without_cond), \
+            _keras_compat.defer_large_variables(DEFERRED_VARIABLE_BYTES), _tf_compat.lifting():
         concrete = tf.function(python_function, autograph=autograph).get_concrete_function(
             *specs)
     return TracedStep(getattr(python_function, "__name__", "the step"), concrete, specs, fn,
@@ -200,6 +206,11 @@ def lift_step(traced_step: TracedStep) -> LiftedStep:
         ValueError: when the step applies no optimizer.
         NotImplementedError: when it applies several, or captures what cannot be lifted.
     """
+    with _tf_compat.lifting():
+        return _lift(traced_step)
+
+
+def _lift(traced_step: TracedStep) -> LiftedStep:
     label, concrete, specs, calls = (traced_step.label, traced_step.concrete,
                                      traced_step.specs, traced_step.calls)
     traced = concrete.graph
@@ -260,14 +271,21 @@ def lift_step(traced_step: TracedStep) -> LiftedStep:
             # be uniquified per scope ("sum_loss_1/count" beside "sum_loss/total");
             # a metric's variables keep their path, which groups them (replicator).
             name = paths.get(id(variable), variable.name.split(":")[0])
-            value = eager_snapshot(variable)
+            # Still at its initializer's value, never set: its graph computes it.
+            deferred = getattr(variable, "at_initial_value", False)
             if id(variable) in optimizer_state:
                 placeholder = tf.compat.v1.placeholder(tf.resource, [], name=name)
-                state_values[placeholder.op.name] = functools.partial(eager_snapshot, variable)
+                state_values[placeholder.op.name] = (
+                    GraphInitialValue(variable.initial_value_fn, variable) if deferred
+                    else functools.partial(eager_snapshot, variable))
                 variables[placeholder.op.name] = variable
                 input_map[internal.name] = placeholder
                 continue
-            if np.any(value):
+            value = None if deferred else eager_snapshot(variable)
+            if deferred:  # computed where it is stored, part by part if partitioned
+                with tf.name_scope(f"{name}/initial_value"):
+                    initial = variable.initial_value_fn()
+            elif np.any(value):
                 # Fed at initialization: a weight's bytes never enter a GraphDef, which
                 # is serialized, digested and copied by every stage, and capped at 2 GB.
                 initial = tf.compat.v1.placeholder(variable.dtype, value.shape,

@@ -23,14 +23,16 @@ variable.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Optional
 
 import numpy as np
 import tensorflow as tf
 
+from autodist._tf_compat import eager_snapshot
 from autodist.graph_item import (RESOURCE_WRITES, PartUpdate, op_name, tensor_name,
                                  through_identities)
-from autodist.kernels import partitioner
+from autodist.kernels import initial_rows, partitioner
 
 # Ops whose result on a part of a variable is not that part of their result on it.
 _NOT_ELEMENTWISE = ("Sum", "Mean", "Max", "Min", "Prod", "EuclideanNorm", "MatMul",
@@ -48,6 +50,32 @@ class _Stages:
     rest: frozenset
     slots: dict          # variable name -> tuple of state placeholder names
     non_slots: tuple     # state placeholder names read by every copy's update
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphInitialValue:
+    """The start of optimizer state that has no eager value yet (a ``DeferredVariable``).
+
+    Attributes:
+        build: builds the whole starting value in the current graph.
+        variable: the eager variable, read (and so given its value) when a
+            copy's piece cannot be built on its own.
+    """
+
+    build: Callable[[], tf.Tensor]
+    variable: tf.Variable
+
+    def piece(self, update: Optional[PartUpdate]) -> Optional[tf.Tensor]:
+        """The piece ``update``'s copy holds, built in the graph: the whole value, or a
+        part's rows where ``initial_rows`` can build them alone; else None."""
+        whole = self.build()
+        if update is None or update.plan is None and update.shard is None:
+            return whole
+        if update.shard is not None or update.plan.axis != 0:
+            return None
+        begin = sum(update.plan.sizes[:update.part])
+        rows = initial_rows.rows_of(whole, begin, begin + update.plan.sizes[update.part])
+        return None if rows is None else rows()
 
 
 class KerasOptimizerCall:
@@ -375,15 +403,21 @@ class KerasUpdate:
                 if self._call.nodes[name].op in RESOURCE_WRITES]
 
 
-def _state_variable(value_of: Callable[[], np.ndarray], name: str, feeds: dict,
+def _state_variable(value_of, name: str, feeds: dict,
                     update: Optional[PartUpdate] = None) -> tf.Variable:
-    """A variable of the optimizer's state starting at the value ``value_of`` returns,
-    or at the piece of it that ``update``'s copy holds (its part, its shard).
+    """A variable of the optimizer's state starting at the value ``value_of`` returns
+    (or a ``GraphInitialValue`` builds), or at the piece of it that ``update``'s copy
+    holds (its part, its shard).
 
     A non-zero start is fed at initialization (``feeds``: placeholder name -> a
     function returning it), not held in the graph.
     """
     name = name.replace(":", "_")
+    if isinstance(value_of, GraphInitialValue):
+        start = value_of.piece(update)
+        if start is not None:
+            return tf.Variable(start, trainable=False, name=name)
+        value_of = functools.partial(eager_snapshot, value_of.variable)
     value = _piece(value_of(), update)
     if not value.any():
         return tf.Variable(tf.zeros(value.shape, value.dtype), trainable=False, name=name)

@@ -8,14 +8,39 @@ optimizer update.
 """
 from __future__ import annotations
 
+import itertools
+from typing import Sequence
+
 import tensorflow as tf
 
+from autodist.kernels import initial_rows
 from autodist.partition import PartitionPlan
 
 
 def split_value(value: tf.Tensor, plan: PartitionPlan) -> list:
     """Cuts a full-shape tensor into the parts of ``plan``."""
     return tf.split(value, list(plan.sizes), axis=plan.axis)
+
+
+def initial_parts(value: tf.Tensor, plan: PartitionPlan, devices: Sequence[str]) -> list:
+    """The parts of an initial value, part ``i`` computed on ``devices[i]``.
+
+    Split along axis 0, a value whose ops can produce any range of its rows
+    (seeded random initializers, fills: ``initial_rows``) is computed part by
+    part, so no device builds the whole value; any other value is built whole
+    and cut.
+    """
+    if plan.axis == 0:
+        bounds = list(itertools.accumulate(plan.sizes, initial=0))
+        builders = [initial_rows.rows_of(value, begin, end)
+                    for begin, end in zip(bounds[:-1], bounds[1:])]
+        if all(builders):
+            parts = []
+            for build, device in zip(builders, devices):
+                with tf.device(device):
+                    parts.append(build())
+            return parts
+    return split_value(value, plan)
 
 
 def stitch(parts: list, plan: PartitionPlan) -> tf.Tensor:

@@ -230,7 +230,9 @@ def _create_storage(item: GraphItem, variable: CompiledVariable, ctx: KernelCont
     graph = tf.compat.v1.get_default_graph()
     initial_value = graph.get_tensor_by_name(item.variables[variable.info.name].initial_value.name)
     values = ([initial_value] if variable.plan is None
-              else partitioner.split_value(initial_value, variable.plan))
+              else partitioner.initial_parts(initial_value, variable.plan,
+                                             [synchronizers[part.kind.field].value_device(part)
+                                              for part in variable.parts]))
     parts = [synchronizers[part.kind.field].create_storage(part, value)
              for part, value in zip(variable.parts, values)]
     handles = []

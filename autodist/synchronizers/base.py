@@ -379,6 +379,11 @@ class SynchronizerKind:
     def create_storage(self, part, initial_value: tf.Tensor) -> PartStorage:
         raise NotImplementedError
 
+    def value_device(self, part) -> str:
+        """Where the part's initial value is computed: where it is first stored (by
+        default the chief, whose value every other node's copy starts from)."""
+        return self.ctx.chief_device if self.ctx.multi_node else self.ctx.shared_device
+
     def initialization(self, storage: PartStorage) -> Ownership:
         return Ownership()
 

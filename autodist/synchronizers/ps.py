@@ -121,6 +121,9 @@ class PSSynchronizer(SynchronizerKind):
         shared, readers = create_ps_storage(part.name, initial_value, part.synchronizer, self.ctx)
         return PartStorage(part, [shared], readers, self)
 
+    def value_device(self, part) -> str:
+        return self.ctx.tf_device(part.synchronizer.reduction_destination)
+
     def initialization(self, storage: PartStorage) -> Ownership:
         shared = storage.copies[0]
         # A cluster's proxies start from the shared value, once the chief has set it.

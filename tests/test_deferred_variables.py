@@ -1,0 +1,128 @@
+"""Large Keras weights made in ``ad.scope()`` get no eager value until something reads them.
+
+The lifted step computes their initial value where each copy is stored (each
+part of a partitioned table on its own device, ``initial_rows``); after
+training, the eager variable takes AutoDist's value at its first use. So a node
+never holds a whole table unless the user's own code reads it. Here the
+threshold is lowered so that a small embedding is deferred.
+"""
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+from autodist import AutoDist, _keras_compat
+from autodist.keras import step as keras_step
+from autodist.strategy import AllReduce, PartitionedPS
+from test_keras import assert_same, snapshot
+from test_row_gathers import VOCABULARY, keras_data
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+BUILDERS = {"PartitionedPS": PartitionedPS, "AllReduce": AllReduce}
+
+
+@pytest.fixture
+def table_bytes(monkeypatch):
+    """Defers the embedding (VOCABULARY x 6 float32s) and its slots, not the dense layers."""
+    monkeypatch.setattr(keras_step, "DEFERRED_VARIABLE_BYTES", VOCABULARY * 6 * 4)
+
+
+def embedding_model(optimizer: str) -> keras.Model:
+    keras.utils.set_random_seed(3)
+    ids = keras.Input((5,), dtype="int32")
+    hidden = keras.layers.GlobalAveragePooling1D()(
+        keras.layers.Embedding(VOCABULARY, 6, name="tokens")(ids))
+    model = keras.Model(ids, keras.layers.Dense(1, name="out")(
+        keras.layers.Dense(4, activation="tanh", name="hidden")(hidden)))
+    model.compile(optimizer=keras.optimizers.get({"class_name": optimizer,
+                                                  "config": {"learning_rate": 0.05}}),
+                  loss="mse", metrics=["mae"])
+    return model
+
+
+def deferred(model: keras.Model) -> list:
+    """Paths of the model's and its optimizer's variables still without a value."""
+    # Without the optimizer's own (uniquified) name: "adam_3/tokens_embeddings_momentum".
+    return sorted([v.path for v in model.variables if getattr(v.value, "deferred", False)]
+                  + [v.path.split("/", 1)[-1] for v in model.optimizer.variables
+                     if getattr(v.value, "deferred", False)])
+
+
+@pytest.mark.parametrize("optimizer", ["SGD", "Adam"])
+@pytest.mark.parametrize("builder", sorted(BUILDERS))
+def test_a_deferred_table_trains_as_on_one_device_and_is_fetched_when_read(
+        spec_path, table_bytes, builder, optimizer):
+    x, y = keras_data()
+    want_model = embedding_model(optimizer)
+    history = want_model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    want = snapshot(want_model, want_model.optimizer, history.history)
+
+    ad = AutoDist(resource_spec_file=spec_path, strategy_builder=BUILDERS[builder]())
+    with ad.scope():
+        model = embedding_model(optimizer)
+    assert deferred(model) == ["tokens/embeddings"]
+    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    # Still without a value after fit, and so are Adam's moments of the table
+    # (made at the step's first trace): only reading them brings AutoDist's values.
+    slots = (["tokens_embeddings_momentum", "tokens_embeddings_velocity"]
+             if optimizer == "Adam" else [])
+    assert deferred(model) == sorted(["tokens/embeddings"] + slots)
+    got = snapshot(model, model.optimizer, history.history)
+    assert deferred(model) == []
+    assert_same(got, want, f"{builder}, {optimizer}")
+
+
+def test_a_table_read_before_fit_starts_from_its_initial_value(spec_path, table_bytes):
+    """``predict`` before ``fit`` gives the table its value eagerly; fit then feeds it."""
+    x, y = keras_data()
+    want_model = embedding_model("Adam")
+    want_predictions = want_model.predict(x[:8], verbose=0)
+    history = want_model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    want = snapshot(want_model, want_model.optimizer, history.history)
+
+    ad = AutoDist(resource_spec_file=spec_path, strategy_builder=PartitionedPS())
+    with ad.scope():
+        model = embedding_model("Adam")
+    np.testing.assert_allclose(model.predict(x[:8], verbose=0), want_predictions, rtol=1e-6)
+    assert deferred(model) == []
+    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert_same(snapshot(model, model.optimizer, history.history), want, "read before fit")
+
+
+def test_a_second_step_starts_from_the_trained_table_not_its_initial_value(
+        spec_path, table_bytes):
+    """``train_on_batch`` after ``fit`` traces another step (other arguments): it starts
+    from the values fit trained, which the deferred table fetches."""
+    x, y = keras_data()
+    want_model = embedding_model("SGD")
+    want_model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    want_logs = want_model.train_on_batch(x[:16], y[:16], return_dict=True)
+
+    ad = AutoDist(resource_spec_file=spec_path, strategy_builder=PartitionedPS())
+    with ad.scope():
+        model = embedding_model("SGD")
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    logs = model.train_on_batch(x[:16], y[:16], return_dict=True)
+    assert logs == pytest.approx(want_logs, rel=1e-5)
+    np.testing.assert_allclose(model.get_layer("tokens").embeddings.numpy(),
+                               want_model.get_layer("tokens").embeddings.numpy(), atol=1e-5)
+
+
+def test_only_weights_of_a_deterministic_keras_initializer_are_deferred():
+    with _keras_compat.defer_large_variables(VOCABULARY * 6 * 4):
+        layers = {
+            "seeded": keras.layers.Embedding(VOCABULARY, 6),
+            "own function": keras.layers.Embedding(
+                VOCABULARY, 6, embeddings_initializer=lambda shape, dtype=None: np.ones(shape)),
+            "seed generator": keras.layers.Embedding(
+                VOCABULARY, 6, embeddings_initializer=keras.initializers.RandomUniform(
+                    seed=keras.random.SeedGenerator(1))),
+            "too small": keras.layers.Embedding(VOCABULARY - 1, 6),
+        }
+        for layer in layers.values():
+            layer.build((None, 5))
+    kinds = {name: type(layer.embeddings.value).__name__ for name, layer in layers.items()}
+    assert kinds == {"seeded": "DeferredVariable", "own function": "ResourceVariable",
+                     "seed generator": "ResourceVariable", "too small": "ResourceVariable"}
