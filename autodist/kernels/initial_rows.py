@@ -16,8 +16,8 @@ their own:
   operand is the same for every row (a scalar, a row vector): how the
   initializers scale and shift their samples.
 
-The random ops draw from a counter-based generator: TensorFlow's CPU and GPU
-kernels give sample ``i`` of a float32 output (two per step for float64) the
+The random ops draw from a counter-based generator: TensorFlow's CPU kernels
+(the only ones tested here) give sample ``i`` of a float32 output (two per step for float64) the
 counter ``initial counter + i // 4``, so rows ``[begin, end)`` are the same op
 with its counter advanced by ``begin * row_size / 4`` (a whole number of
 steps is required). A seeded stateful op's generator is ``key = seed``,
