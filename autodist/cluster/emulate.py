@@ -261,7 +261,7 @@ def up(num_nodes: int, bandwidth: str | float | Sequence[str | float] = "1gbit",
                      None if cap is None else _cgroup_path(f"{name}-h{i}"))
         for i, (rate, n, cap) in enumerate(zip(rates, cpus, caps), start=1)), latency)
     try:
-        _build(cluster)
+        _build(cluster, hierarchy)
     except BaseException:
         with contextlib.suppress(EmulationError):  # keep the original error
             down(name)
@@ -399,7 +399,7 @@ def check_name(name: str) -> None:
         raise ValueError(f"Cluster name {name!r} is invalid; use 1 to 32 letters, digits or '_', e.g. 'ad'.")
 
 
-def _build(cluster: EmulatedCluster) -> None:
+def _build(cluster: EmulatedCluster, hierarchy: "_MemoryHierarchy | None") -> None:
     ip, tc = _tool("ip"), _tool("tc")
     br = cluster.bridge_namespace
     _run([ip, "netns", "add", br])
@@ -421,7 +421,7 @@ def _build(cluster: EmulatedCluster) -> None:
         _shape(tc, ns, HOST_IFACE, host.bandwidth_gbit, cluster.latency)
         _shape(tc, br, port, host.bandwidth_gbit, None)
         if host.cgroup is not None:
-            _make_cgroup(host)
+            _make_cgroup(host, hierarchy)
     _write_hosts_files(cluster)
 
 
@@ -498,8 +498,7 @@ def _mount_hierarchy(hierarchy: _MemoryHierarchy) -> None:
     _run([_tool("mount"), *hierarchy.mount_options, "autodist", CGROUP_MOUNT])
 
 
-def _make_cgroup(host: EmulatedHost) -> None:
-    hierarchy = _memory_hierarchy()
+def _make_cgroup(host: EmulatedHost, hierarchy: _MemoryHierarchy) -> None:
     try:
         _mount_hierarchy(hierarchy)
         os.makedirs(host.cgroup, exist_ok=True)

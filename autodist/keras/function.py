@@ -103,15 +103,17 @@ class DistributedStep:
             weights: also copy the model's weights.
             slots: also copy the optimizer's slots.
         """
-        reads = [(v, t) for v, t in self._reads if self._selected(v, weights, slots)]
-        # A variable without a value yet (a table other nodes hold in parts) gets
-        # AutoDist's at its first use, if any: fetching it now would put the whole
-        # table on this node.
-        for variable, tensor in reads:
+        reads = []
+        for variable, tensor in self._reads:
+            if not self._selected(variable, weights, slots):
+                continue
             if getattr(variable, "deferred", False):
+                # No value yet (a table other nodes hold in parts): it gets AutoDist's at
+                # its first use, if any; fetching it now would put the whole table here.
                 variable.defer(functools.partial(self._session.tf_session.run, tensor),
                                on_set=self._synced_now)
-        reads = [(v, t) for v, t in reads if not getattr(v, "deferred", False)]
+            else:
+                reads.append((variable, tensor))
         values = self._session.tf_session.run([tensor for _, tensor in reads])
         for (variable, _), value in zip(reads, values):
             # Without the old snapshot the variable's buffer is its own, written in place

@@ -32,7 +32,7 @@ import tensorflow as tf
 from autodist._tf_compat import eager_snapshot
 from autodist.graph_item import (RESOURCE_WRITES, PartUpdate, op_name, tensor_name,
                                  through_identities)
-from autodist.kernels import initial_rows, partitioner
+from autodist.kernels import partitioner
 
 # Ops whose result on a part of a variable is not that part of their result on it.
 _NOT_ELEMENTWISE = ("Sum", "Mean", "Max", "Min", "Prod", "EuclideanNorm", "MatMul",
@@ -67,14 +67,12 @@ class GraphInitialValue:
 
     def piece(self, update: Optional[PartUpdate]) -> Optional[tf.Tensor]:
         """The piece ``update``'s copy holds, built in the graph: the whole value, or a
-        part's rows where ``initial_rows`` can build them alone; else None."""
+        part's rows where ``partitioner.part_rows`` can build them alone; else None."""
         whole = self.build()
         if update is None or update.plan is None and update.shard is None:
             return whole
-        if update.shard is not None or update.plan.axis != 0:
-            return None
-        begin = sum(update.plan.sizes[:update.part])
-        rows = initial_rows.rows_of(whole, begin, begin + update.plan.sizes[update.part])
+        rows = (None if update.shard is not None
+                else partitioner.part_rows(whole, update.plan, update.part))
         return None if rows is None else rows()
 
 

@@ -8,8 +8,7 @@ optimizer update.
 """
 from __future__ import annotations
 
-import itertools
-from typing import Sequence
+from typing import Optional, Sequence
 
 import tensorflow as tf
 
@@ -30,17 +29,23 @@ def initial_parts(value: tf.Tensor, plan: PartitionPlan, devices: Sequence[str])
     part, so no device builds the whole value; any other value is built whole
     and cut.
     """
-    if plan.axis == 0:
-        bounds = list(itertools.accumulate(plan.sizes, initial=0))
-        builders = [initial_rows.rows_of(value, begin, end)
-                    for begin, end in zip(bounds[:-1], bounds[1:])]
-        if all(builders):
-            parts = []
-            for build, device in zip(builders, devices):
-                with tf.device(device):
-                    parts.append(build())
-            return parts
-    return split_value(value, plan)
+    builders = [part_rows(value, plan, index) for index in range(len(plan.sizes))]
+    if not all(builders):
+        return split_value(value, plan)
+    parts = []
+    for build, device in zip(builders, devices):
+        with tf.device(device):
+            parts.append(build())
+    return parts
+
+
+def part_rows(value: tf.Tensor, plan: PartitionPlan, index: int) -> Optional[initial_rows.Rows]:
+    """A function building part ``index`` of ``value`` from ``value``'s ops alone
+    (``initial_rows``), or None where the plan or the ops do not allow it."""
+    if plan.axis != 0:
+        return None
+    begin = sum(plan.sizes[:index])
+    return initial_rows.rows_of(value, begin, begin + plan.sizes[index])
 
 
 def stitch(parts: list, plan: PartitionPlan) -> tf.Tensor:
