@@ -330,6 +330,13 @@ class AutoDist:
     def _config(self, user_config) -> tf.compat.v1.ConfigProto:
         cpus = max(self._resource_spec.node(self._role.address).cpus) + 1
         config = tf.compat.v1.ConfigProto(device_count={"CPU": cpus}, allow_soft_placement=True)
+        # TensorFlow's older graph optimizer evaluates every op with constant inputs
+        # before it runs a graph, whatever the output's size, and its allocator keeps
+        # those bytes: a large table's seeded random initial value cost its size twice
+        # over. Grappler (on) still folds constants, within a size bound.
+        options = config.graph_options.optimizer_options
+        options.opt_level = tf.compat.v1.OptimizerOptions.L0
+        options.do_common_subexpression_elimination = True
         intra, inter = self._threads
         if intra:
             config.intra_op_parallelism_threads = intra

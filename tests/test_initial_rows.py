@@ -6,6 +6,9 @@ generators change fails here.
 """
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import keras
 import numpy as np
 import pytest
@@ -142,3 +145,41 @@ def test_each_part_of_a_table_starts_from_its_own_rows_on_its_server():
         with tf1.Session(graph=local) as session:
             values = session.run(names)
     np.testing.assert_array_equal(np.concatenate(values), single)
+
+
+_INIT_MEMORY_JOB = """
+import sys
+import tensorflow as tf
+from autodist import AutoDist
+from autodist.strategy import PartitionedPS
+tf1 = tf.compat.v1
+
+def peak_gib():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmHWM")) / 2 ** 20
+
+ad = AutoDist(sys.argv[1], PartitionedPS())
+with tf.Graph().as_default(), ad.scope():
+    table = tf1.get_variable("table", [ROWS, 64], use_resource=True,
+                             initializer=tf1.random_uniform_initializer(-0.05, 0.05, seed=3))
+    ids = tf1.placeholder(tf.int32, [None])
+    train = tf1.train.GradientDescentOptimizer(0.1).minimize(
+        tf.reduce_sum(tf.gather(table, ids)))
+    before = peak_gib()
+    sess = ad.create_distributed_session()
+    print("GROWTH", peak_gib() - before)
+"""
+
+
+def test_starting_a_table_costs_its_size_once(spec_path, tmp_path):
+    """TensorFlow's older graph optimizer would evaluate a seeded random initial value
+    before the run, and keep its bytes: a table's start cost twice its size."""
+    rows = 2 ** 20  # 256 MiB of float32
+    script = tmp_path / "init_memory.py"
+    script.write_text(_INIT_MEMORY_JOB.replace("ROWS", str(rows)))
+    done = subprocess.run([sys.executable, str(script), spec_path], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    growth = float(done.stdout.split("GROWTH")[1])
+    table_gib = rows * 64 * 4 / 2 ** 30
+    assert table_gib * 0.9 < growth < table_gib * 1.4, (growth, table_gib)
