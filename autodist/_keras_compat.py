@@ -20,6 +20,7 @@ import tensorflow as tf
 from keras.src.backend.tensorflow import core as tf_backend
 from keras.src.initializers import random_initializers
 from keras.src.optimizers import base_optimizer, loss_scale_optimizer
+from keras.src.saving import saving_lib
 
 from autodist import _tf_compat
 
@@ -221,6 +222,51 @@ def defer_large_variables(min_bytes: int) -> Iterator[None]:
         yield
     finally:
         owner._initialize_with_initializer = original  # pylint: disable=protected-access
+
+
+@contextlib.contextmanager
+def deferred_variables_saved_in_pieces() -> Iterator[None]:
+    """Within the block, a Keras ``.weights.h5`` save (``save_weights``, ``save``)
+    writes each model or optimizer variable still without a value of its own
+    (a ``DeferredVariable`` kept by AutoDist) piece by piece into its dataset,
+    fetching one piece at a time, and leaves it without a value.
+
+    Other variables, and sharded or bfloat16 saves, are written as Keras writes
+    them. The original methods are always restored on exit.
+    """
+    store, optimizer = saving_lib.H5IOStore, base_optimizer.BaseOptimizer
+    set_item, save_state = store.__setitem__, optimizer.save_own_variables
+
+    def set_in_pieces(self, key, value):
+        deferred = _deferred(value)
+        if deferred is None or self.mode not in ("w", "a") or deferred.dtype == tf.bfloat16:
+            return set_item(self, key, value)
+        if not self._h5_entry_initialized:  # pylint: disable=protected-access
+            self._create_h5_group(self._h5_entry_path)  # pylint: disable=protected-access
+        dataset = self._h5_entry_group.create_dataset(  # pylint: disable=protected-access
+            key, shape=tuple(deferred.shape), dtype=deferred.dtype.as_numpy_dtype)
+        for index, piece in deferred.value_in_pieces():
+            dataset[index] = piece
+        return None
+
+    def save_optimizer_state(self, target):
+        # Keras's own writes ``variable.numpy()``, which gives the variable a value.
+        for index, variable in enumerate(self.variables):
+            target[str(index)] = variable if _deferred(variable) is not None else variable.numpy()
+
+    store.__setitem__, optimizer.save_own_variables = set_in_pieces, save_optimizer_state
+    try:
+        yield
+    finally:
+        store.__setitem__, optimizer.save_own_variables = set_item, save_state
+
+
+def _deferred(value) -> Optional[_tf_compat.DeferredVariable]:
+    """The ``DeferredVariable`` behind a Keras variable, while it has no value; else None."""
+    inner = getattr(value, "_value", None)
+    if isinstance(inner, _tf_compat.DeferredVariable) and inner.deferred:
+        return inner
+    return None
 
 
 def _pure_initializer(initializer) -> bool:

@@ -13,7 +13,7 @@ import contextlib
 import contextvars
 import copy
 import dataclasses
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -214,13 +214,20 @@ def optimizer_non_slot_variables(optimizer: _V1Optimizer, graph: tf.Graph) -> di
     return {name: variable for (name, owner), variable in table.items() if owner is graph}
 
 
-def checkpoint_entry(name: str, value: tf.Tensor, restore: Callable[[tf.Tensor], tf.Operation]):
-    """An entry for ``tf.compat.v1.train.Saver``'s ``var_list``.
+def checkpoint_entry(name: str, value: Callable[[], tf.Tensor],
+                     restore: Callable[[tf.Tensor], tf.Operation], *, dtype: tf.DType,
+                     device: str, nbytes: int, slice_spec: str = ""):
+    """An entry for ``piecewise_saver``: one variable, or one slice of it.
 
     Args:
         name: the name in the checkpoint.
-        value: what is saved under it.
+        value: builds what is saved under it, when the save op is built.
         restore: builds the op that assigns a restored tensor wherever it belongs.
+        dtype: the saved tensor's dtype.
+        device: where the save reads it.
+        nbytes: the saved tensor's size, which groups entries into shards.
+        slice_spec: the slice of the full variable it holds (``Variable.SaveSliceInfo``'s
+            ``spec``), or "" for the whole variable.
     """
     from tensorflow.python.training.saving import saveable_object
 
@@ -228,8 +235,61 @@ def checkpoint_entry(name: str, value: tf.Tensor, restore: Callable[[tf.Tensor],
         def restore(self, restored_tensors, restored_shapes):
             return restore(restored_tensors[0])
 
-    spec = saveable_object.SaveSpec(value, "", name, dtype=value.dtype)
-    return _Entry(value, [spec], name)
+    spec = saveable_object.SaveSpec(value, slice_spec, name, dtype=dtype, device=device)
+    # The Saver keys its entries by their own names: a slice's needs its own.
+    entry = _Entry(None, [spec], f"{name}[{slice_spec}]" if slice_spec else name)
+    entry.nbytes = nbytes
+    return entry
+
+
+def piecewise_saver(entries: list, shard_bytes: int, **options) -> tf.compat.v1.train.Saver:
+    """A ``tf.compat.v1.train.Saver`` of ``checkpoint_entry`` s that holds one shard in
+    memory at a time.
+
+    Entries are packed, in order, into shards of up to ``shard_bytes`` (an entry
+    larger than that is a shard of its own). With more than one shard, a save
+    reads and writes one shard after the other into a directory beside the
+    checkpoint, then merges them into one checkpoint; a restore reads and
+    assigns one shard after the other. So the device doing it holds one shard,
+    never the whole state. The files are an ordinary checkpoint either way:
+    slices of one variable read back as the whole variable.
+
+    Args:
+        options: ``Saver``'s other arguments (``max_to_keep``, ...).
+    """
+    from tensorflow.python.training import saver as saver_lib
+
+    shards = []
+    for entry in entries:
+        if not shards or sum(e.nbytes for e in shards[-1]) + entry.nbytes > shard_bytes:
+            shards.append([])
+        shards[-1].append(entry)
+    if len(shards) < 2:
+        return tf.compat.v1.train.Saver(entries, **options)
+
+    class _ShardByShard(saver_lib.BulkSaverBuilder):
+        def __init__(self):
+            super().__init__()
+            self._saved, self._restored = [], []
+
+        def _GroupByDevices(self, saveables):  # pylint: disable=invalid-name
+            return [(shard[0].device, shard) for shard in shards]
+
+        # Each shard's ops wait for the previous shard's: its reads (built here,
+        # from the entries' callables) do not start before that shard is written.
+        def _AddSaveOps(self, filename_tensor, saveables):  # pylint: disable=invalid-name
+            with tf.control_dependencies(self._saved):
+                saved = super()._AddSaveOps(filename_tensor, saveables)
+            self._saved = [saved]
+            return saved
+
+        def _AddRestoreOps(self, *args, **kwargs):  # pylint: disable=invalid-name
+            with tf.control_dependencies(self._restored):
+                restored = super()._AddRestoreOps(*args, **kwargs)
+            self._restored = [restored]
+            return restored
+
+    return tf.compat.v1.train.Saver(entries, sharded=True, builder=_ShardByShard(), **options)
 
 
 def eager_snapshot(variable: tf.Variable) -> np.ndarray:
@@ -280,6 +340,7 @@ class DeferredVariable(resource_variable_ops.UninitializedVariable):
                  trainable: bool, name: str):
         self._source = initial_value
         self._on_set = None
+        self._pieces = None
         super().__init__(shape=shape, dtype=dtype, trainable=trainable, name=name)
         self.initial_value_fn = initial_value
 
@@ -310,11 +371,27 @@ class DeferredVariable(resource_variable_ops.UninitializedVariable):
         if self._on_set is not None:
             self._on_set(self)
 
-    def defer(self, source: Callable, on_set: Optional[Callable] = None) -> None:
+    def defer(self, source: Callable, on_set: Optional[Callable] = None,
+              pieces: Optional[Callable[[], Iterator[Tuple[tuple, np.ndarray]]]] = None
+              ) -> None:
         """Takes the value from ``source()`` at the next use, and then calls
-        ``on_set(self)``; only while it has no value of its own."""
+        ``on_set(self)``; only while it has no value of its own.
+
+        Args:
+            pieces: yields the same value as ``(index, array)`` pieces, one at a
+                time (``value_in_pieces``).
+        """
         assert self.deferred, "a variable with a value is written, not deferred"
-        self._source, self._on_set = source, on_set
+        self._source, self._on_set, self._pieces = source, on_set, pieces
+
+    def value_in_pieces(self) -> Iterator[Tuple[tuple, np.ndarray]]:
+        """Its value as ``(index, array)`` pieces, ``value[index] = array``: while it
+        has no value of its own and its source comes in pieces, one piece at a time
+        without giving it a value; else the whole value."""
+        if self._source is not None and self._pieces is not None:
+            yield from self._pieces()
+        else:
+            yield (slice(None),) * len(self.shape), eager_snapshot(self)
 
 
 def variable_from_graph(variable: tf.Variable, graph: tf.Graph) -> tf.Variable:

@@ -308,7 +308,7 @@ class DistributedSession:
         if self._locator is None:
             self._locator = Locator(self._distributed)
         location = self._locator.find(variable)
-        if location is None or location.value is None:
+        if location is None or not location.readable:
             raise ValueError(f"AutoDist cannot fetch the optimizer's '{variable}' on this node: "
                              "under this strategy it lives on another node (fetch it on the "
                              "chief).")

@@ -20,8 +20,10 @@ import models
 from autodist import partition
 from autodist import AutoDist
 from autodist.checkpoint import CheckpointError, SavedModelBuilder, Saver, latest_checkpoint
+from autodist.checkpoint import saver as saver_module
 from autodist.strategy import AllReduce, PartitionedPS, Strategy, common
 from test_equivalence import BUILDERS, OPTIMIZERS, axis_one_strategy
+from test_ps_synchronizer import _ancestors
 
 tf1 = tf.compat.v1
 
@@ -140,6 +142,51 @@ def test_a_plain_checkpoint_restores_under_a_strategy(spec_path, tmp_path, build
     want = single_device(4)
     for name, value in trained.items():
         np.testing.assert_allclose(value, want[name], rtol=RTOL, atol=ATOL, err_msg=name)
+
+
+def test_partitioned_variables_are_saved_and_restored_part_by_part(spec_path, tmp_path,
+                                                                    monkeypatch):
+    """Each part is written as its slice of the single-device variable, one shard
+    after the other (here one entry per shard), and read back so; the files are
+    an ordinary checkpoint of the single-device model."""
+    monkeypatch.setattr(saver_module, "SHARD_BYTES", 1)
+    ad = AutoDist(spec_path, PartitionedPS())
+    with tf.Graph().as_default(), ad.scope():
+        built = models.MODELS[MODEL](adam)
+        saver = Saver()
+        with ad.create_distributed_session() as sess:
+            for _ in range(2):
+                sess.run(built.train_op, built.feeds)
+            names = [models.as_tf_variable(v).op.name for v in built.variables]
+            trained = dict(zip(names, sess.run(built.variables)))
+            path = saver.save(sess, str(tmp_path / "model"))
+            plans = {name: s.compiled.plan for name, s in sess.distributed.storage.items()}
+            graph = sess.distributed.graph
+            saves = [op for op in graph.get_operations() if op.type == "SaveV2"]
+            restores = [op for op in graph.get_operations() if op.type == "RestoreV2"]
+            sess.run(built.train_op, built.feeds)
+            saver.restore(sess, path)
+            np.testing.assert_array_equal(sess.run(built.variables[0]), trained["odd"])
+    partitioned = {name: plan for name, plan in plans.items() if plan is not None}
+    assert {"proj", "table"} <= set(partitioned), plans
+    # One shard per entry, each waiting for the one before it.
+    assert len(saves) == len(restores) > len(trained)
+    for earlier, later in zip(saves, saves[1:]):
+        assert earlier in _ancestors(later), (earlier.name, later.name)
+    # No save reads a partitioned variable (or its Adam slots) whole: each saves its
+    # parts, with the part's shape, under the variable's name with a slice spec.
+    written = {}
+    for save in saves:
+        keys, slices = (tf.get_static_value(save.inputs[i]) for i in (1, 2))
+        for key, spec, tensor in zip(keys, slices, save.inputs[3:]):
+            written.setdefault(key.decode(), []).append((spec.decode(), tuple(tensor.shape)))
+    for name, plan in partitioned.items():
+        for key in (name, f"{name}/Adam", f"{name}/Adam_1"):
+            assert sorted(shape for _, shape in written[key]) == sorted(
+                plan.part_shape(i) for i in range(plan.num_parts)), key
+            assert all(spec.startswith(" ".join(map(str, plan.shape)) + " ")
+                       for spec, _ in written[key]), written[key]
+    assert_restores_like_single_device(path, trained, 2)
 
 
 def test_resuming_under_another_strategy_and_replica_count(spec_path, spec_path_4cpu, tmp_path):

@@ -13,7 +13,10 @@ import numpy as np
 import pytest
 
 from autodist import AutoDist, _keras_compat
+from autodist.keras import function as keras_function
 from autodist.keras import step as keras_step
+from autodist.kernels import partitioner
+from autodist.partition import PartitionPlan
 from autodist.strategy import AllReduce, PartitionedPS
 from test_keras import assert_same, snapshot
 from test_row_gathers import VOCABULARY, keras_data
@@ -72,6 +75,51 @@ def test_a_deferred_table_trains_as_on_one_device_and_is_fetched_when_read(
     got = snapshot(model, model.optimizer, history.history)
     assert deferred(model) == []
     assert_same(got, want, f"{builder}, {optimizer}")
+
+
+@pytest.mark.parametrize("optimizer", ["SGD", "Adam"])
+def test_save_weights_writes_a_deferred_table_part_by_part_without_giving_it_a_value(
+        spec_path, table_bytes, tmp_path, monkeypatch, optimizer):
+    """The file loads into a plain Keras model with the weights and optimizer state of
+    single-device training; the table and its moments stay without a value here."""
+    monkeypatch.setattr(keras_function, "PIECE_BYTES", 3 * 6 * 4)  # 3 rows a fetch
+    x, y = keras_data()
+    want_model = embedding_model(optimizer)
+    want_model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+
+    ad = AutoDist(resource_spec_file=spec_path, strategy_builder=PartitionedPS())
+    with ad.scope():
+        model = embedding_model(optimizer)
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    still = deferred(model)
+    path = str(tmp_path / "trained.weights.h5")
+    model.save_weights(path)
+    assert deferred(model) == still and "tokens/embeddings" in still
+
+    plain = embedding_model(optimizer)
+    plain.optimizer.build(plain.trainable_variables)
+    plain.load_weights(path)
+    for got, want in zip(plain.variables + plain.optimizer.variables,
+                         want_model.variables + want_model.optimizer.variables):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6,
+                                   err_msg=want.path)
+
+
+def test_pieces_cut_a_value_within_its_parts():
+    value = np.arange(27).reshape(9, 3)
+    plan = PartitionPlan(axis=0, sizes=(5, 4), shape=(9, 3))
+    pieces = partitioner.pieces(plan, [9, 3], 2)
+    assert [(part, rows) for part, rows, _ in pieces] == [
+        (0, (0, 2)), (0, (2, 4)), (0, (4, 5)), (1, (0, 2)), (1, (2, 4))]
+    parts = np.split(value, [5])
+    for part, (begin, end), index in pieces:
+        np.testing.assert_array_equal(value[index], parts[part][begin:end])
+    assert [(part, rows) for part, rows, _ in partitioner.pieces(None, [9, 3], 4)] == [
+        (0, (0, 4)), (0, (4, 8)), (0, (8, 9))]
+    by_columns = partitioner.pieces(PartitionPlan(axis=1, sizes=(2, 1), shape=(9, 3)), [9, 3], 2)
+    assert [(part, rows) for part, rows, _ in by_columns] == [(0, None), (1, None)]
+    np.testing.assert_array_equal(value[by_columns[1][2]], value[:, 2:])
+    assert partitioner.pieces(None, [], 2) == [(0, None, ())]
 
 
 def test_a_table_read_before_fit_starts_from_its_initial_value(spec_path, table_bytes):

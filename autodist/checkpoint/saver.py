@@ -5,10 +5,16 @@ shapes: partitions stitched, one copy of replicated variables, the optimizer's
 slots under the names the single-device graph gives them. So a checkpoint of
 plain TensorFlow restores under any strategy, and one written under any
 strategy restores in plain TensorFlow or under another strategy.
+
+A partitioned variable is written and restored part by part, each part as its
+slice of the single-device variable, and the chief holds one shard of the
+state at a time (``SHARD_BYTES``): a table kept in parts over several nodes is
+never assembled on one.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import shutil
@@ -18,12 +24,15 @@ import numpy as np
 import tensorflow as tf
 
 from autodist import _tf_compat
-from autodist.kernels.locations import Locator
+from autodist.kernels.locations import Location, Locator
 from autodist.checkpoint.single_device import single_device_copy
 from autodist.synchronizers.base import token_queue
 from autodist.session import DistributedSession, as_tf_variable
 
 RESTORE_TIMEOUT_S = 300.0
+# A save or restore holds one shard of this size (or one variable part larger
+# than it) on the chief at a time.
+SHARD_BYTES = 256 << 20
 _RESTORED = "restored"
 
 
@@ -124,6 +133,10 @@ class Saver:
         latest_filename = latest_filename or "checkpoint"
         _remove_leftovers(save_path, latest_filename)  # of a save killed before
         try:
+            # Several shards are written into a directory beside the checkpoint, which
+            # TensorFlow creates, but not the checkpoint's own if that is missing.
+            if os.path.dirname(save_path):
+                tf.io.gfile.makedirs(os.path.dirname(save_path))
             path = bound.saver.save(sess.tf_session, save_path, global_step=global_step,
                                     latest_filename=latest_filename, write_meta_graph=False,
                                     write_state=False)
@@ -198,16 +211,12 @@ class Saver:
                 if location is None:
                     unknown.append(name)
                     continue
-                # Only the chief saves; elsewhere the entry needs a tensor of the
-                # right shape and type that no run evaluates.
-                value = (location.value() if ctx.is_chief and location.value is not None
-                         else tf.zeros(self._shapes[key], self._dtypes[key]))
-                entries.append(_tf_compat.checkpoint_entry(key, value, location.restore))
+                entries.extend(self._entries(key, location, ctx.is_chief, ctx.shared_device))
             if unknown:
                 raise ValueError(
                     f"autodist.checkpoint.Saver: {sorted(unknown)} have no counterpart in the "
                     "distributed graph (created after the session, or not part of the model).")
-            saver = tf.compat.v1.train.Saver(entries, **self._options)
+            saver = _tf_compat.piecewise_saver(entries, SHARD_BYTES, **self._options)
             release, wait = [], None
             if ctx.multi_node and ctx.is_chief:
                 release = [token_queue(w, ctx, _RESTORED).enqueue(tf.constant(0, tf.int64))
@@ -215,6 +224,32 @@ class Saver:
             elif ctx.multi_node:
                 wait = token_queue(ctx.node_index, ctx, _RESTORED).dequeue().op
         return _Bound(saver, release, wait)
+
+    def _entries(self, key: str, location: Location, is_chief: bool, device: str) -> list:
+        """The checkpoint entries of one variable: one per part, each holding the part's
+        slice of the single-device variable, so no device assembles a partitioned
+        variable whole to save or restore it."""
+        shape, dtype = self._shapes[key], self._dtypes[key]
+        plan = location.plan
+        pieces = ([(shape, None)] if plan is None else
+                  [(plan.part_shape(index), tf.compat.v1.Variable.SaveSliceInfo(
+                      key, list(shape), [offset if axis == plan.axis else 0
+                                         for axis in range(len(shape))],
+                      list(plan.part_shape(index))).spec)
+                   for index, offset in enumerate(plan.offsets)])
+        entries = []
+        for index, (piece_shape, spec) in enumerate(pieces):
+            # Only the chief saves; elsewhere the entry needs a tensor of the
+            # right shape and type that no run evaluates.
+            if is_chief and location.readable:
+                value = location.value if plan is None else location.reads[index]
+            else:
+                value = functools.partial(tf.zeros, piece_shape, dtype)
+            entries.append(_tf_compat.checkpoint_entry(
+                key, value, functools.partial(location.restore_part, index), dtype=dtype,
+                device=device, nbytes=int(np.prod(piece_shape)) * dtype.size,
+                slice_spec=spec or ""))
+        return entries
 
     def _single_device_meta_graph(self):
         if self._meta_graph is None:

@@ -13,18 +13,21 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
 
 from autodist._tf_compat import eager_snapshot
+from autodist.kernels import partitioner
 from autodist.kernels.locations import Locator
 from autodist.keras.step import STATE_OP, LiftedStep, StepCache, is_static
 from autodist.session import DistributedSession
 
 
 _IN_PLACE_BYTES = 2 ** 20  # below this, a copy costs less than DLPack's wrapping
+# A save of a variable AutoDist keeps (deferred) fetches it in pieces of this size.
+PIECE_BYTES = 64 << 20
 
 
 class DistributedStep:
@@ -41,6 +44,9 @@ class DistributedStep:
         distributed = session.distributed
         locator = Locator(distributed)
         self._reads, self._writes = [], []
+        # id of an eager variable -> its Location, and (index in the value, its read)
+        # per piece, built when a deferred one is first saved
+        self._locations, self._pieces = {}, {}
         # Small state, copied both ways at every step: what the forward pass writes
         # (metrics, batch-norm statistics, seeds; reset by Keras between epochs) and
         # the optimizer's own scalars (its iteration count, a learning rate that a
@@ -61,8 +67,9 @@ class DistributedStep:
                     self._small.add(id(variable))
                 if name in slots:
                     self._slots.add(id(variable))
-                if location.value is not None:
+                if location.readable:
                     self._reads.append((variable, location.value()))
+                    self._locations[id(variable)] = location
                 placeholder = tf.compat.v1.placeholder(variable.dtype, variable.shape)
                 self._writes.append((variable, placeholder, location.restore(placeholder)))
         # id of an eager variable -> its snapshot (``eager_snapshot``) when last copied
@@ -111,7 +118,8 @@ class DistributedStep:
                 # No value yet (a table other nodes hold in parts): it gets AutoDist's at
                 # its first use, if any; fetching it now would put the whole table here.
                 variable.defer(functools.partial(self._session.tf_session.run, tensor),
-                               on_set=self._synced_now)
+                               on_set=self._synced_now,
+                               pieces=functools.partial(self._fetched_in_pieces, variable))
             else:
                 reads.append((variable, tensor))
         values = self._session.tf_session.run([tensor for _, tensor in reads])
@@ -121,6 +129,24 @@ class DistributedStep:
             self._synced.pop(id(variable), None)
             variable.assign(_as_tensor_in_place(value))
             self._synced[id(variable)] = eager_snapshot(variable)
+
+    def _piece_reads(self, variable) -> list:
+        """``(index, read)`` per piece of at most ``PIECE_BYTES`` of the variable, each read
+        where its part is stored (``partitioner.pieces``)."""
+        if id(variable) not in self._pieces:
+            location, shape = self._locations[id(variable)], variable.shape.as_list()
+            row_bytes = max(1, int(np.prod(shape[1:], dtype=np.int64)) * variable.dtype.size)
+            with self._session.distributed.graph.as_default():
+                self._pieces[id(variable)] = [
+                    (index, location.reads[part](rows))
+                    for part, rows, index in partitioner.pieces(
+                        location.plan, shape, max(1, PIECE_BYTES // row_bytes))]
+        return self._pieces[id(variable)]
+
+    def _fetched_in_pieces(self, variable) -> Iterator[Tuple[tuple, np.ndarray]]:
+        """AutoDist's value of ``variable`` as ``(index, value)`` pieces, fetched one at a time."""
+        for index, tensor in self._piece_reads(variable):
+            yield index, self._session.tf_session.run(tensor)
 
     def _synced_now(self, variable) -> None:
         """Records a deferred variable's value, just fetched, as copied."""

@@ -12,6 +12,9 @@
   signal then acts as it would have (the chief stops its job, Ctrl-C raises
   ``KeyboardInterrupt``). A second signal, or the bound running out, stops the
   process without the save, keeping the previous file;
+* write a weight or optimizer slot that AutoDist keeps in parts and the model
+  holds no value of (a large table, see ``DeferredVariable``) piece by piece,
+  fetching one piece of a part at a time, so the chief never holds it whole;
 * on a cluster, are the chief's alone: a worker's call writes nothing and says
   so once. Every node holds the same weights, only the chief holds the whole
   optimizer state (a parameter server's slots among it), and nodes sharing a
@@ -32,6 +35,8 @@ import threading
 from typing import Callable, Iterator
 
 import keras
+
+from autodist import _keras_compat
 
 SAVE_GRACE_ENV = "AUTODIST_SAVE_GRACE_S"
 DEFAULT_SAVE_GRACE_S = 20.0  # within the 30 s Slurm and Kubernetes allow before SIGKILL
@@ -89,7 +94,7 @@ def _saved_aside(save: Callable, filepath, *args, **kwargs):
     whole_file = (path is not None and "://" not in path and path.endswith(_SUFFIXES)
                   and not kwargs.get("max_shard_size") and kwargs.get("zipped") is not False)
     if not whole_file or (not overwrite and os.path.exists(path)):
-        with _stops_held(str(filepath)):
+        with _stops_held(str(filepath)), _keras_compat.deferred_variables_saved_in_pieces():
             return save(filepath, *args, **kwargs)  # Keras's own behaviour (and its prompt)
     temporary = temporary_path(path)
 
@@ -98,7 +103,7 @@ def _saved_aside(save: Callable, filepath, *args, **kwargs):
             os.remove(temporary)
 
     try:
-        with _stops_held(path, abandon):
+        with _stops_held(path, abandon), _keras_compat.deferred_variables_saved_in_pieces():
             result = save(temporary, *args, **kwargs)
             os.replace(temporary, path)
         return result

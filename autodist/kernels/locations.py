@@ -9,13 +9,13 @@ node.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 import tensorflow as tf
 
 from autodist.kernels import partitioner
 from autodist.partition import PartitionPlan
-from autodist.synchronizers.base import Target
+from autodist.synchronizers.base import PartReader, Target, reader
 from autodist.kernels.transformer import DistributedGraph, VariableStorage
 
 
@@ -24,23 +24,40 @@ class Location:
     """One original variable in the distributed graph.
 
     Attributes:
-        value: builds the full value to save, or None where this node cannot read
-            it (a worker has no slots of the PS variables).
-        parts: per part of the variable, the ``Target``s on this node that a
-            restore assigns (their piece of) that part's slice to.
+        reads: per part of the variable, what reads that part's value (whole or
+            some rows), or None where this node cannot read them (a worker has no
+            slots of the PS variables).
+        parts: per part, the ``Target``s on this node that a restore assigns
+            (their piece of) that part's slice to.
         plan: how the variable is cut, or None when it is whole.
+        device: where the full value is assembled, or None for the read's own.
     """
 
-    value: Optional[Callable[[], tf.Tensor]]
+    reads: Optional[List[PartReader]]
     parts: List[List[Target]]
     plan: Optional[PartitionPlan] = None
+    device: Optional[str] = None
+
+    @property
+    def readable(self) -> bool:
+        return self.reads is not None
+
+    def value(self) -> tf.Tensor:
+        """The full value to save (the original layout); only where ``readable``."""
+        with tf.device(self.device):
+            values = [read() for read in self.reads]
+            return values[0] if self.plan is None else partitioner.stitch(values, self.plan)
 
     def restore(self, full_value: tf.Tensor) -> tf.Operation:
         """Assigns ``full_value`` (the original layout) to every target."""
         slices = ([full_value] if self.plan is None
                   else partitioner.split_value(full_value, self.plan))
+        return tf.group(*[self.restore_part(index, piece) for index, piece in enumerate(slices)])
+
+    def restore_part(self, index: int, piece: tf.Tensor) -> tf.Operation:
+        """Assigns part ``index``'s slice of the value to that part's targets."""
         return tf.group(*[target.variable.assign(target.take(piece) if target.take else piece)
-                          for piece, targets in zip(slices, self.parts) for target in targets])
+                          for target in self.parts[index]])
 
 
 class Locator:
@@ -74,12 +91,13 @@ class Locator:
         if name in distributed.shared_variables:
             variable = distributed.shared_variables[name]
             owned = not (distributed.ctx.shared_variables_on_chief and not distributed.ctx.is_chief)
-            return Location(variable.read_value, [[Target(variable)] if owned else []])
+            return Location([reader(variable)], [[Target(variable)] if owned else []])
         return None
 
     def _trainable(self, storage: VariableStorage) -> Location:
         parts = [part.synchronizer.restore_targets(part) for part in storage.parts]
-        return Location(storage.full_value, parts, storage.compiled.plan)
+        return Location([reader(part.copies[0]) for part in storage.parts], parts,
+                        storage.compiled.plan, storage.device)
 
     def _slot(self, storage: VariableStorage, slot_name: str) -> Location:
         def slot_of(copy):
@@ -87,14 +105,9 @@ class Locator:
 
         parts = [part.synchronizer.slot_targets(part, slot_of) for part in storage.parts]
         reads = [part.synchronizer.slot_value(part, slot_of) for part in storage.parts]
-
-        def value():
-            with tf.device(storage.device):
-                values = [read() for read in reads]
-                return values[0] if storage.compiled.plan is None else partitioner.stitch(
-                    values, storage.compiled.plan)
         readable = all(read is not None for read in reads)
-        return Location(value if readable else None, parts, storage.compiled.plan)
+        return Location(reads if readable else None, parts, storage.compiled.plan,
+                        storage.device)
 
     def _slot_variable(self, copy: tf.Variable, slot_name: str) -> Optional[tf.Variable]:
         for optimizer in (o for update in self._distributed.updates for o in update.optimizers):
@@ -108,6 +121,6 @@ class Locator:
         copies = [variables[key] for variables in (
             o.non_slot_variables(graph) for o in self._distributed.updates[call].optimizers)
             if key in variables]
-        value = copies[0].read_value if copies else None
-        return Location(value, [[Target(copy) for copy in copies]])
+        return Location([reader(copies[0])] if copies else None,
+                        [[Target(copy) for copy in copies]])
 

@@ -48,6 +48,29 @@ def part_rows(value: tf.Tensor, plan: PartitionPlan, index: int) -> Optional[ini
     return initial_rows.rows_of(value, begin, begin + plan.sizes[index])
 
 
+def pieces(plan: Optional[PartitionPlan], shape: Sequence[int], max_rows: int) -> list:
+    """The variable cut into pieces of at most ``max_rows`` rows (axis 0) within its
+    parts; a variable cut along another axis, into its parts.
+
+    Returns:
+        per piece, ``(part, rows, index)``: the part holding it, its rows
+        ``(begin, end)`` within that part or None for the whole part, and where it
+        sits in the full value (a tuple of slices).
+    """
+    if not shape:
+        return [(0, None, ())]
+    if plan is not None and plan.axis != 0:
+        return [(part, None, tuple(slice(offset, offset + size) if axis == plan.axis
+                                   else slice(None) for axis in range(len(shape))))
+                for part, (offset, size) in enumerate(zip(plan.offsets, plan.sizes))]
+    starts, sizes = (plan.offsets, plan.sizes) if plan is not None else ((0,), (shape[0],))
+    rest = (slice(None),) * (len(shape) - 1)
+    return [(part, (begin, min(size, begin + max_rows)),
+             (slice(offset + begin, offset + min(size, begin + max_rows)),) + rest)
+            for part, (offset, size) in enumerate(zip(starts, sizes))
+            for begin in range(0, size, max_rows)]
+
+
 def stitch(parts: list, plan: PartitionPlan) -> tf.Tensor:
     """The full value from its parts."""
     return tf.concat(parts, axis=plan.axis)

@@ -427,10 +427,25 @@ class SynchronizerKind:
         slots = [slot_of(copy) for copy in storage.copies]
         return [Target(slot) for slot in slots if slot is not None]
 
-    def slot_value(self, storage: PartStorage, slot_of: Callable) -> Optional[Callable]:
-        """What reads the part's slot value, whole; None where this node cannot."""
+    def slot_value(self, storage: PartStorage, slot_of: Callable) -> Optional[PartReader]:
+        """What reads the part's slot value (a ``reader``); None where this node cannot."""
         slot = slot_of(storage.copies[0])
-        return slot.read_value if slot is not None else None
+        return reader(slot) if slot is not None else None
+
+
+PartReader = Callable[..., tf.Tensor]
+"""``read(rows=None)``: a part's value, whole, or only rows ``[begin, end)`` of its
+axis 0 for ``rows=(begin, end)``."""
+
+
+def reader(variable: tf.Variable) -> PartReader:
+    """Reads ``variable`` whole, or some of its rows with a gather where it is stored,
+    so that only those rows leave its device."""
+    def read(rows: Optional[Tuple[int, int]] = None) -> tf.Tensor:
+        if rows is None:
+            return variable.read_value()
+        return variable.sparse_read(tf.range(rows[0], rows[1]))
+    return read
 
 
 def _unique(variables: list) -> list:

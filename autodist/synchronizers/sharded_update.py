@@ -277,9 +277,10 @@ class ShardedUpdateSynchronizer(SynchronizerKind):
         if any(slot is None for slot in slots):
             return None  # a worker holds its own shards' slots only
 
-        def value():
+        def value(rows=None):
             flat = tf.concat([slot.read_value() for slot in slots], 0)
-            return tf.reshape(flat[:layout.size], storage.part.shape)
+            whole = tf.reshape(flat[:layout.size], storage.part.shape)
+            return whole if rows is None else whole[rows[0]:rows[1]]
         return value
 
     def _shard_targets(self, storage: PartStorage, variable_of) -> List[Target]:
