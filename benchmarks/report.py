@@ -57,6 +57,8 @@ SECTIONS = (
      "start-up-and-memory-vs-the-models-bytes-model_scale"),
     ("Embedding tables: step time and memory by table size (`embeddings`)",
      "embedding-tables-step-time-and-memory-by-table-size-embeddings"),
+    ("A table larger than one node (`table_over_node`)",
+     "a-table-larger-than-one-node-table_over_node"),
 )
 
 HEADER = "\n".join([
