@@ -260,7 +260,7 @@ class DistributedSession:
     def _resolve(self, name: str):
         distributed, item = self._distributed, self._distributed.item
         if name in self._variable_fetches:
-            return distributed.storage[self._variable_fetches[name]].full_value()
+            return self._location(self._variable_fetches[name]).value()
         if name in self._state_fetches:
             return self._optimizer_state(self._state_fetches[name])
         op_name = name.split(":")[0]
@@ -303,11 +303,15 @@ class DistributedSession:
                              "processing it belongs to runs where the updates run (fetch it "
                              "on the chief).") from None
 
-    def _optimizer_state(self, variable: str) -> tf.Tensor:
-        """The single-device value of one of the optimizer's variables (a slot stitched)."""
+    def _location(self, variable: str):
+        """Where the original variable ``variable`` lives on this node, or None."""
         if self._locator is None:
             self._locator = Locator(self._distributed)
-        location = self._locator.find(variable)
+        return self._locator.find(variable)
+
+    def _optimizer_state(self, variable: str) -> tf.Tensor:
+        """The single-device value of one of the optimizer's variables (a slot stitched)."""
+        location = self._location(variable)
         if location is None or not location.readable:
             raise ValueError(f"AutoDist cannot fetch the optimizer's '{variable}' on this node: "
                              "under this strategy it lives on another node (fetch it on the "

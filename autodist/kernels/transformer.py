@@ -51,7 +51,7 @@ from autodist.synchronizers.base import (CollectiveKeys, Member, PartStorage, Re
 class VariableStorage:
     """Where a variable's parts live and what each replica reads.
 
-    Ops that only some runs need (the full value, the initializer) are built on
+    Ops that only some runs need (the initializer) are built on
     demand, in the graph's context: a large model would pay for them up front.
     """
 
@@ -59,14 +59,6 @@ class VariableStorage:
     parts: list
     handles: list           # per replica: the resource handle the model reads
     device: str             # where the full value is assembled
-
-    def full_value(self) -> tf.Tensor:
-        """The whole, synchronized value, as a fetch returns it."""
-        with tf.device(self.device):
-            reads = [p.copies[0].read_value() for p in self.parts]
-            if self.compiled.plan is None:
-                return reads[0]
-            return partitioner.stitch(reads, self.compiled.plan)
 
     def gather_rows(self, replica: int, ids: tf.Tensor) -> tf.Tensor:
         """``tf.gather(variable, ids)`` as replica ``replica`` reads it, where the rows are stored."""
