@@ -60,6 +60,18 @@ class OptimizerCall:
                     names[slot.op.name] = (variable.op.name, slot_name)
         return names
 
+    def slot_bytes(self) -> dict:
+        """Variable name -> the bytes of its slots (of a fully defined shape)."""
+        sizes = {}
+        for _, variable in self.grads_and_vars:
+            for slot_name in self.optimizer.get_slot_names():
+                slot = self.optimizer.get_slot(variable, slot_name)
+                if slot is not None and slot.shape.is_fully_defined():
+                    sizes[variable.op.name] = (sizes.get(variable.op.name, 0)
+                                               + slot.shape.num_elements()
+                                               * slot.dtype.base_dtype.size)
+        return sizes
+
     def non_slot_names(self) -> dict:
         """Original name of each non-slot variable (Adam's powers) -> its key."""
         return {variable.op.name: key for key, variable

@@ -306,8 +306,6 @@ class AutoDist:
     def _kernel_context(self, item: GraphItem, compiled: CompiledStrategy,
                         tf_devices: dict) -> KernelContext:
         spec, role, strategy = self._resource_spec, self._role, compiled.strategy
-        synchronized = [part for variable in compiled.variables.values()
-                        for part in variable.parts if variable.info.has_grad]
         local = tuple(r for r in strategy.replicas
                       if DeviceSpec.from_string(r).host_address == role.address)
         cpu = {d.host_address: d.name_string() for d in spec.ps_devices}
@@ -319,13 +317,11 @@ class AutoDist:
                              all_replicas=tuple(strategy.replicas),
                              node_devices=tuple(tf_devices[cpu[node]]
                                                 for node in runtime.ordered_nodes(spec)),
-                             has_collectives=any(p.kind.uses_collectives(p.synchronizer)
-                                                 for p in synchronized),
-                             has_remote_ops=any(p.kind.uses_remote_ops(p.synchronizer)
-                                                for p in synchronized),
+                             has_collectives=compiled.has_collectives,
+                             has_remote_ops=compiled.has_remote_ops,
                              state_per_node=item.state_per_node,
                              updates_on_every_node=all(p.kind.updates_on_every_node
-                                                       for p in synchronized))
+                                                       for p in compiled.synchronized_parts))
 
     def _config(self, user_config) -> tf.compat.v1.ConfigProto:
         cpus = max(self._resource_spec.node(self._role.address).cpus) + 1

@@ -36,6 +36,8 @@ class VariableInfo:
         rows_gathered_per_example: rows it gathers per example through ids
             with a batch dimension (8 for ids of shape ``[batch, 8]``). With
             neither known, one per example (see ``rows_touched``).
+        slot_bytes: bytes of its optimizer slots (Adam's two moments: twice
+            its own), which live wherever its update runs.
     """
 
     name: str
@@ -48,6 +50,7 @@ class VariableInfo:
     updates_rows: bool = False
     rows_gathered: int = 0
     rows_gathered_per_example: int = 1
+    slot_bytes: int = 0
 
     def rows_touched(self, batch_size: int) -> int:
         """Rows one replica's step looks up (repeats counted, at most every row) with
@@ -303,6 +306,7 @@ class GraphItem:
         self.reads = self._variable_reads()
         ranks = self._ready_ranks()
         updates_rows = self._updated_by_rows()
+        slot_bytes = self._slot_bytes()
         self.trainable_variables = [
             VariableInfo(name=v.op.name, shape=tuple(v.shape.as_list()),
                          dtype=v.dtype.base_dtype.name,
@@ -312,12 +316,18 @@ class GraphItem:
                          ready_rank=ranks.get(v.op.name, 0),
                          read_whole=self.reads[v.op.name].whole,
                          updates_rows=v.op.name in updates_rows,
+                         slot_bytes=slot_bytes.get(v.op.name, 0),
                          **self._rows_gathered(self.reads[v.op.name]))
             for v in self._trainables]
         # optimizer call index -> its gradient processing, where it has one
         self.processing = {index: self._processing(call)
                            for index, call in enumerate(self.optimizer_calls)
                            if call.raw_gradients}
+
+    def _slot_bytes(self) -> Dict[str, int]:
+        """Trainable variable name -> the bytes of its optimizer slots."""
+        return {name: size for call in self.optimizer_calls
+                for name, size in call.slot_bytes().items()}
 
     def _update_state(self) -> Dict[int, frozenset]:
         """Optimizer call index -> the non-trainable variables its update writes."""

@@ -2,8 +2,8 @@
 
 The format (see configs/local_2cpu.yml and configs/example_multi_node.yml) is a
 ``nodes`` list, each node with an ``address``, ``cpus``/``gpus`` id lists and
-optional ``chief``, ``ssh_config``, ``network_bandwidth`` and ``launch_prefix``,
-plus an optional ``ssh`` mapping of named SSH settings. Rules beyond the
+optional ``chief``, ``ssh_config``, ``network_bandwidth``, ``launch_prefix`` and
+``memory``, plus an optional ``ssh`` mapping of named SSH settings. Rules beyond the
 per-field checks:
 
 * A node without ``cpus`` gets ``DEFAULT_CPUS`` (``[0]``); an explicit empty
@@ -12,6 +12,9 @@ per-field checks:
   replica (a TensorFlow logical CPU device).
 * With several nodes exactly one has ``chief: true``; a single node is always
   the chief (its ``NodeSpec.chief`` is True).
+* ``memory`` is what AutoDist's processes on the node may use together (``16g``,
+  ``512m``, or bytes); with it, a strategy whose variables and optimizer slots
+  cannot fit on the node is refused before training.
 * A key whose value is ``null`` counts as absent.
 
 Every problem is reported at construction as one ``ResourceSpecError`` whose
@@ -21,6 +24,7 @@ message names the source, the field and the offending value.
 import dataclasses
 import math
 import os
+import re
 from typing import Any, Callable, NamedTuple
 
 import yaml
@@ -34,6 +38,10 @@ DEFAULT_CPUS = (0,)
 DEFAULT_SSH_PORT = 22
 
 _DEVICE_TYPES = ("CPU", "GPU")
+
+_MEMORY_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(?:i?b)?\s*")
+MIN_MEMORY_BYTES = 64 * 2 ** 20
+"""The least memory a node or an emulated host may be given: a TensorFlow process needs more."""
 
 
 class ResourceSpecError(ValueError):
@@ -104,6 +112,38 @@ class NodeSpec:
     ssh_config: str | None = None
     network_bandwidth: float | None = None
     launch_prefix: tuple[str, ...] | None = None
+    memory: int | None = None  # bytes
+
+
+def parse_memory(size: str | int) -> int:
+    """Converts a memory size such as ``"3g"``, ``"512m"`` or ``"1.5gb"`` to bytes.
+
+    Units are binary, as cgroups and container tools read them: ``k``, ``m``,
+    ``g``, ``t`` (optionally followed by ``b``, or ``i``/``ib``) are powers of
+    1024. A plain integer is bytes.
+
+    Raises:
+        ValueError: If ``size`` is not a size of at least 64 MiB.
+    """
+    if isinstance(size, int) and not isinstance(size, bool):
+        count = size
+    else:
+        m = _MEMORY_RE.fullmatch(size.lower()) if isinstance(size, str) else None
+        if m is None:
+            raise ValueError(f"Memory {size!r} is not a size; write a number and a unit, e.g. '3g', "
+                             "'512m' or '1.5g' (units k, m, g, t: powers of 1024).")
+        count = int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " "))
+    if count < MIN_MEMORY_BYTES:
+        raise ValueError(f"Memory {size!r} is below 64m; a TensorFlow process needs more than that.")
+    return count
+
+
+def _is_memory(v: Any) -> bool:
+    try:
+        parse_memory(v)
+    except ValueError:
+        return False
+    return True
 
 
 class _Loc(NamedTuple):
@@ -200,6 +240,8 @@ _NODE_FIELDS = {
         "a positive number of Gbit/s", "network_bandwidth: 10", float),
     "launch_prefix": _Field(lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
                             "a list of strings", "launch_prefix: [ip, netns, exec, h2]", tuple),
+    "memory": _Field(_is_memory, "a size of at least 64m: a number and a unit k, m, g or t "
+                     "(powers of 1024), or bytes", "memory: 16g", parse_memory),
 }
 _SSH_FIELDS = {
     "username": _Field(_is_str, "a non-empty string", "username: root", str, True),

@@ -25,7 +25,10 @@ Settings, each system against the same data:
   first run builds the venv, about 5 minutes, as ``peers.py --setup-only`` does).
 
 Systems: AutoDist's ``--builders`` (default ``AllReduce PartitionedPS
-Parallax``) and the peers of ``--systems``. AutoStrategy is not measured yet.
+Parallax AutoStrategy``) and the peers of ``--systems``. ``AutoStrategy`` is
+its pick by the simulator alone (``trials=0``, ``keras_step_time.AUTO``), made
+in each job: a search with trials restarts the script for every trial, which a
+timed job cannot hold.
 
 Method: as ``keras_step_time``: every run is a fresh job (on the cluster, a
 fresh process on every node); for each table size (smallest first) and
@@ -98,7 +101,7 @@ ROWS_PER_NODE = 256
 DEFAULT_ROWS = (100_000, 1_000_000, 10_000_000)
 OPTIMIZERS = {"sgd": ("SGD", 0.01, 0), "adam": ("Adam", 0.001, 2)}
 """name -> (Keras class, learning rate, slots the size of the table)."""
-DEFAULT_BUILDERS = ("AllReduce", "PartitionedPS", "Parallax")
+DEFAULT_BUILDERS = ("AllReduce", "PartitionedPS", "Parallax", kst.AUTO)
 SETTINGS = kst.SETTINGS
 HOROVOD = horovod_peer.SYSTEM
 MIRRORED, MWMS = kst.PEERS["one_node"], kst.PEERS["cluster"]
@@ -688,7 +691,7 @@ def main(argv=None) -> int:
         return 0
     for builder in args.builders:
         try:
-            report.parse_builder(builder)
+            kst.parse_builder(builder)
         except ValueError as err:
             parser.error(str(err))
     kst.check_job_args(parser, args)

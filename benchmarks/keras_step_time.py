@@ -210,6 +210,29 @@ def print_cpu(system: str, process: int, timer) -> None:
           flush=True)
 
 
+AUTO = "AutoStrategy"
+"""A builder name of the jobs besides the registered ones: AutoStrategy's pick by its
+simulator alone (``trials=0``, so no trial runs inside the timed job; any
+``key=value`` after it is passed on, e.g. ``AutoStrategy:trials=8``)."""
+
+
+def parse_builder(text: str) -> tuple[str, dict]:
+    """``report.parse_builder``, with :data:`AUTO` a name too."""
+    return report.parse_builder(text, extra_names=(AUTO,))
+
+
+def strategy_builder(text: str, rows_per_replica: int):
+    """The builder object a job's ``--builder`` names."""
+    from autodist.strategy import get_builder
+    name, kwargs = parse_builder(text)
+    if name != AUTO:
+        return get_builder(name, **kwargs)
+    from autodist.search.builder import AutoStrategy
+    options = {"trials": 0, "progress": False, "batch_size": rows_per_replica,
+               "log_dir": tempfile.mkdtemp(prefix="autodist_search.")}
+    return AutoStrategy(**{**options, **kwargs})
+
+
 def job_autodist(spec: str, builder: str, warmup: int, timed: int, build=build_model,
                  data=synthetic_data, rows_per_replica: int = ROWS_PER_REPLICA) -> None:
     """One node's part of an AutoDist run (the chief also launches the others); the chief prints.
@@ -223,10 +246,9 @@ def job_autodist(spec: str, builder: str, warmup: int, timed: int, build=build_m
     import keras
 
     from autodist import AutoDist
-    from autodist.strategy import get_builder
 
-    name, kwargs = report.parse_builder(builder)
-    ad = AutoDist(resource_spec_file=spec, strategy_builder=get_builder(name, **kwargs))
+    ad = AutoDist(resource_spec_file=spec,
+                  strategy_builder=strategy_builder(builder, rows_per_replica))
     num_nodes = len(ad.resource_spec.nodes)
     replicas = len(ad.resource_spec.replica_devices)
     if replicas % num_nodes:

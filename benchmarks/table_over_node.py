@@ -17,8 +17,9 @@ Systems, each run on a fresh cluster:
   each must train and save under the cap;
 * ``--replicating`` (``AllReduce``, ``Parallax``) keep a copy of the table on
   every node (``Parallax`` on a cluster reads its parameter servers through a
-  local proxy of every part, as the README says): each must stop, its row
-  naming the out-of-memory kill.
+  local proxy of every part, as the README says): the spec gives every node
+  its cap as ``memory``, so each must be refused before training, by a
+  ``StrategyError`` naming the node, with no process killed.
 
 Check: with the cluster removed, plain Keras on this machine (uncapped) trains
 the same model, from the same seed, on the global batches (the nodes' batches
@@ -57,6 +58,7 @@ BEGIN = "<!-- table_over_node:begin -->"
 END = "<!-- table_over_node:end -->"
 TITLE, ANCHOR = next(s for s in report.SECTIONS if s[0].endswith("(`table_over_node`)"))
 CLUSTER_NAME = "adbig"
+REFUSAL = "does not fit node"  # in the StrategyError of a strategy a node cannot hold
 BANDWIDTH = "1gbit"
 BATCH = embeddings.ROWS_PER_NODE
 WARMUP = 2
@@ -209,16 +211,17 @@ def _gb(values: list) -> str:
 
 def format_section(rows: list, diffs: dict, args, command: str, info: dict,
                    elapsed: float) -> str:
-    from autodist.cluster import emulate
-    cap_gb = emulate.parse_memory(args.memory) / _GiB
+    from autodist.resource_spec import parse_memory
+    cap_gb = parse_memory(args.memory) / _GiB
     table_gb = embeddings.table_gb(args.rows)
     share_gb = table_gb / args.nodes
     trained = [r for r in rows if r["system"] in args.builders]
     refused = [r for r in rows if r["system"] in args.replicating]
     met_train = all(r["ok"] and diffs.get(r["path"], float("inf")) <= TOLERANCE
                     for r in trained)
-    met_refuse = all(not r["ok"] and any(r["oom_kills"]) for r in refused)
-    chief_killed = [r for r in refused if not r["ok"] and r["error"].startswith("the chief's")]
+    met_refuse = all(not r["ok"] and REFUSAL in r["error"] and not any(r["oom_kills"])
+                     for r in refused)
+    killed = [r for r in rows if any(r["oom_kills"])]
     table = ["| system | outcome | median step | save | file | peak RSS per node after fit, "
              "GB | after save, GB | OOM kills per host | max diff. from one device |",
              "|---|---|--:|--:|--:|---|---|---|--:|"]
@@ -244,19 +247,21 @@ def format_section(rows: list, diffs: dict, args, command: str, info: dict,
         f"**Goal** (issue 31): a table larger than a node's cap trains under "
         f"{', '.join(f'`{b}`' for b in args.builders)}, and its file loads into plain Keras "
         f"equal to single-device training (within {TOLERANCE:g}); a strategy replicating the "
-        f"table ({', '.join(f'`{b}`' for b in args.replicating)}) stops, by an out-of-memory "
-        f"kill that a worker's error names (the chief's own kill leaves no process to say "
-        f"so). **Result:** training and check "
-        f"{'**met**' if met_train else '**missed**'}; replicating strategies "
-        f"{'**stopped by the cap**' if met_refuse else '**not all stopped by the cap**'}.",
+        f"table ({', '.join(f'`{b}`' for b in args.replicating)}) is refused before training, "
+        f"by name, from the nodes' `memory` in the spec (`autodist emulate` writes the caps "
+        f"there). **Result:** training and check {'**met**' if met_train else '**missed**'}; "
+        f"replicating strategies "
+        f"{'**refused by name**' if met_refuse else '**not all refused by name**'}.",
         "",
         *table, "",
         f"- Each node's share of the table is {share_gb:.2f} GiB; peaks are `VmHWM` per "
         "process, in node order (node 0 is the chief).",
-        *([f"- {', '.join('`' + r['system'] + '`' for r in chief_killed)}: the chief was "
-           "killed first, so no AutoDist process was left to name the cause (a shell shows "
-           "`Killed`); AutoDist does not yet refuse such a strategy before training."]
-          if chief_killed else []),
+        *([f"- {', '.join('`' + r['system'] + '`' for r in killed)}: a process was killed "
+           "by the cap (the chief's own kill leaves no process to name the cause)."]
+          if killed else []),
+        "- A refusal compares the training state each node would store (copies of the "
+        "variables and their optimizer slots, as each synchronizer kind lays them out) with "
+        "the node's `memory`; it happens on the chief before any worker starts.",
         "- The save fetches the table in pieces of at most "
         "`autodist.keras.function.PIECE_BYTES` and writes them into the file's dataset; the "
         "chief's model never holds the table.", "",

@@ -1,9 +1,16 @@
 """compile_strategy: the checks that run before any graph rewrite."""
-import pytest
+import types
 
+import pytest
+import tensorflow as tf
+
+import models
+from autodist import _tf_compat
+from autodist.graph_item import GraphItem, VariableInfo
 from autodist.resource_spec import ResourceSpec
-from autodist.strategy import AllReduce, PartitionedPS, Strategy, StrategyError
-from autodist.strategy.compiler import compile_strategy
+from autodist.strategy import (AllReduce, Parallax, PartitionedPS, ShardedUpdateAR, Strategy,
+                               StrategyError)
+from autodist.strategy.compiler import compile_strategy, stored_bytes
 from test_builders import GRAPH, ONE_NODE, THREE_NODES
 
 pytestmark = pytest.mark.timeout(60)
@@ -98,3 +105,73 @@ def test_an_enum_value_outside_the_proto_is_named(tmp_path, field):
     path = strategy.save(str(tmp_path / "hand_edited.strategy"))
     with pytest.raises(StrategyError, match=f"'dense/bias' has {field} 7, which is not one of"):
         compile_strategy(Strategy.load(path), GRAPH, ONE_NODE)
+
+
+# ------------------------------------------------------------ what each node stores
+
+MiB = 2 ** 20
+TABLE = VariableInfo("table", (2 ** 20, 64), "float32", sparse_grad=True,
+                     slot_bytes=2 * 256 * MiB)  # 256 MiB, with Adam's two moments
+DENSE = VariableInfo("dense/kernel", (64, 2 ** 14), "float32", slot_bytes=8 * MiB)  # 4 MiB
+TABLE_GRAPH = types.SimpleNamespace(trainable_variables=[TABLE, DENSE])
+
+
+def _capped(memory, *replicas):
+    """A spec of nodes with ``replicas[i]`` CPU replicas each and ``memory`` per node."""
+    return ResourceSpec.from_dict({"nodes": [
+        {"address": f"10.0.0.{i}", "cpus": list(range(count)), "chief": i == 1,
+         "memory": memory} for i, count in enumerate(replicas, start=1)]})
+
+
+def _table_bytes(builder, spec) -> list:
+    held = stored_bytes(compile_strategy(builder.build(TABLE_GRAPH, spec), TABLE_GRAPH, spec),
+                        spec)
+    return [held[address].get("table", 0) / MiB for address in spec.node_addresses]
+
+
+def test_each_kind_counts_the_copies_it_stores_on_every_node():
+    spec = _capped(None, 2, 1, 3)
+    # A parameter server's parts, each with its slots, on their servers only: the table once.
+    partitioned = _table_bytes(PartitionedPS(), spec)
+    assert sum(partitioned) == pytest.approx(3 * 256) and max(partitioned) < 2 * 256
+    # A copy with slots on every node; the chief also holds the copy the others start from.
+    assert _table_bytes(AllReduce(), spec) == [4 * 256, 3 * 256, 3 * 256]
+    # Parallax mixes collectives and servers, so replicas read parts through proxies: a
+    # copy of the table per replica of every node, besides the node's own parts.
+    proxied = _table_bytes(Parallax(), spec)
+    assert [p - s for p, s in zip(proxied, partitioned)] == [2 * 256, 256, 3 * 256]
+    # ShardedUpdate keeps AllReduce's copies and adds each replica's shard, slots sharded.
+    held = stored_bytes(compile_strategy(ShardedUpdateAR().build(TABLE_GRAPH, spec),
+                                         TABLE_GRAPH, spec), spec)
+    shares = [2 / 6, 1 / 6, 3 / 6]
+    assert [held[a]["dense/kernel"] / MiB for a in spec.node_addresses] == pytest.approx(
+        [4 * (1 + (a == "10.0.0.1") + s) + 8 * s for a, s in zip(spec.node_addresses, shares)])
+
+
+def test_a_strategy_a_node_cannot_hold_is_refused_naming_node_and_variable():
+    spec = _capped("600m", 1, 1, 1, 1)
+    with pytest.raises(StrategyError) as refused:
+        compile_strategy(AllReduce().build(TABLE_GRAPH, spec), TABLE_GRAPH, spec)
+    message = str(refused.value)
+    assert "does not fit node '10.0.0.1'" in message and "at least 1.02 GiB" in message
+    assert "memory 0.59 GiB" in message and "'table' 1.00 GiB (AllReduceSynchronizer)" in message
+    assert "PartitionedPS" in message
+    # Partitioned over the four servers, each node holds a quarter of the table and slots.
+    compiled = compile_strategy(PartitionedPS().build(TABLE_GRAPH, spec), TABLE_GRAPH, spec)
+    assert max(sum(v.values()) for v in stored_bytes(compiled, spec).values()) < 600 * MiB
+    # Without a memory, nothing is refused.
+    roomy = _capped(None, 1, 1, 1, 1)
+    compile_strategy(AllReduce().build(TABLE_GRAPH, roomy), TABLE_GRAPH, roomy)
+
+
+@pytest.mark.parametrize("optimizer, slots", [
+    (lambda: tf.compat.v1.train.GradientDescentOptimizer(0.1), 0),
+    (lambda: tf.compat.v1.train.MomentumOptimizer(0.1, 0.9), 1),
+    (lambda: tf.compat.v1.train.AdamOptimizer(0.1), 2)])
+def test_a_graph_counts_its_variables_optimizer_slots(optimizer, slots):
+    calls = []
+    with tf.Graph().as_default() as graph, _tf_compat.capture_apply_gradients(calls.append):
+        models.dense_mlp(optimizer)
+    infos = {v.name: v for v in GraphItem(graph, calls).trainable_variables}
+    assert {name: v.slot_bytes for name, v in infos.items()} == {
+        name: slots * v.size_bytes for name, v in infos.items()}

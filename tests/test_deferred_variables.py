@@ -17,7 +17,7 @@ from autodist.keras import function as keras_function
 from autodist.keras import step as keras_step
 from autodist.kernels import partitioner
 from autodist.partition import PartitionPlan
-from autodist.strategy import AllReduce, PartitionedPS
+from autodist.strategy import AllReduce, PartitionedPS, StrategyError
 from test_keras import assert_same, snapshot
 from test_row_gathers import VOCABULARY, keras_data
 
@@ -120,6 +120,28 @@ def test_pieces_cut_a_value_within_its_parts():
     assert [(part, rows) for part, rows, _ in by_columns] == [(0, None), (1, None)]
     np.testing.assert_array_equal(value[by_columns[1][2]], value[:, 2:])
     assert partitioner.pieces(None, [], 2) == [(0, None, ())]
+
+
+def test_fit_refuses_a_strategy_the_node_cannot_hold_before_training(tmp_path):
+    """A node's ``memory`` bounds what a strategy may store there: a table of 32 MiB
+    with Adam's two moments does not fit a node of 64 MiB, and ``fit`` says so by name
+    before any step."""
+    spec = tmp_path / "small_node.yml"
+    spec.write_text("nodes:\n  - address: localhost\n    cpus: [0, 1]\n    memory: 64m\n")
+    ad = AutoDist(resource_spec_file=str(spec), strategy_builder=PartitionedPS())
+    with ad.scope():
+        ids = keras.Input((2,), dtype="int32")
+        table = keras.layers.Embedding(2 ** 20, 8, name="tokens")
+        model = keras.Model(ids, keras.layers.Dense(1)(
+            keras.layers.GlobalAveragePooling1D()(table(ids))))
+        model.compile(optimizer="adam", loss="mse")
+    with pytest.raises(StrategyError) as refused:
+        model.fit(np.zeros((8, 2), np.int32), np.zeros((8, 1), np.float32), batch_size=8,
+                  verbose=0)
+    message = str(refused.value)
+    assert "does not fit node 'localhost'" in message and "at least 0.09 GiB" in message
+    assert "memory 0.06 GiB" in message and "embeddings' 0.09 GiB (PSSynchronizer)" in message
+    assert int(model.optimizer.iterations.numpy()) == 0
 
 
 def test_a_table_read_before_fit_starts_from_its_initial_value(spec_path, table_bytes):

@@ -239,16 +239,14 @@ CLUSTER = {"nodes": [{"address": "10.0.0.1", "cpus": [0], "chief": True},
 
 def cluster_context(compiled) -> KernelContext:
     """The chief's view of a two-node cluster, one replica each."""
-    parts = [p for v in compiled.variables.values() for p in v.parts if v.info.has_grad]
     return KernelContext(
         replica_devices=("10.0.0.1:CPU:0",),
         tf_devices={"10.0.0.1:CPU:0": CHIEF, "10.0.0.2:CPU:0": WORKER},
         shared_device=CHIEF, chief_device=CHIEF, num_nodes=2, group_size=2,
         all_replicas=("10.0.0.1:CPU:0", "10.0.0.2:CPU:0"), node_devices=(CHIEF, WORKER),
-        has_collectives=any(p.kind.uses_collectives(p.synchronizer) for p in parts),
-        has_remote_ops=any(p.kind.uses_remote_ops(p.synchronizer) for p in parts),
+        has_collectives=compiled.has_collectives, has_remote_ops=compiled.has_remote_ops,
         state_per_node=True, updates_on_every_node=all(p.kind.updates_on_every_node
-                                                       for p in parts))
+                                                       for p in compiled.synchronized_parts))
 
 
 @pytest.mark.parametrize("builder, refused", [(PS, True), (PartitionedPS, True),

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from autodist.resource_spec import (DEFAULT_BANDWIDTH_GBPS, DeviceSpec, NodeSpec, ResourceSpec,
-                                    ResourceSpecError, SSHConfig)
+                                    ResourceSpecError, SSHConfig, parse_memory)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -88,6 +88,9 @@ BAD_SPECS = [
     ("bandwidth_inf", "nodes:\n  - {address: a, network_bandwidth: .inf}\n", ["'network_bandwidth'", "inf"]),
     ("launch_prefix_string", _with({"launch_prefix": "ip netns"}), ["'launch_prefix'", "'ip netns'"]),
     ("launch_prefix_ints", _with({"launch_prefix": ["ip", 3]}), ["'launch_prefix'", "['ip', 3]"]),
+    ("memory_words", _with({"memory": "lots"}), ["node 2", "'memory'", "'lots'", "memory: 16g"]),
+    ("memory_tiny", _with({"memory": "10m"}), ["'memory'", "'10m'", "at least 64m"]),
+    ("memory_bool", _with({"memory": True}), ["'memory'", "True"]),
     ("unknown_node_key", _with({"gpu": [0], "hostname": "x"}),
      ["node 2", "['gpu', 'hostname']", "'address'", "'launch_prefix'"]),
     ("ssh_not_mapping", _with(ssh=["conf1"]), ["'ssh'", "['conf1']"]),
@@ -226,7 +229,8 @@ def test_device_spec_rejects_bad_fields():
 
 
 @pytest.mark.parametrize("source", [TWO_NODES, {"nodes": [{"address": "solo", "gpus": [0]}]},
-                                    {"nodes": [{"address": "a", "launch_prefix": []}]}])
+                                    {"nodes": [{"address": "a", "launch_prefix": []}]},
+                                    {"nodes": [{"address": "a", "memory": "1.5g"}]}])
 def test_to_dict_round_trip(source):
     spec = ResourceSpec.from_dict(source)
     as_dict = spec.to_dict()
@@ -290,3 +294,23 @@ def test_device_ids_beyond_a_sane_bound_are_refused(tmp_path, ids):
 def test_a_huge_value_is_shown_truncated(tmp_path):
     message = _error_for(tmp_path, {"nodes": [{"address": "localhost", "cpus": "x" * 100_000}]})
     assert len(message) <= 1500 and " ... " in message and "field 'cpus'" in message
+
+
+@pytest.mark.parametrize("text, count", [
+    ("3g", 3 * 2 ** 30), ("512m", 512 * 2 ** 20), ("1.5G", int(1.5 * 2 ** 30)), ("2gb", 2 * 2 ** 30),
+    ("1gib", 2 ** 30), (" 100m ", 100 * 2 ** 20), (2 ** 30, 2 ** 30)])
+def test_parse_memory(text, count):
+    assert parse_memory(text) == count
+
+
+@pytest.mark.parametrize("bad", ["", "g", "3 gigabytes", "-1g", "10m", 1000, None, True, "1e3m"])
+def test_parse_memory_rejects(bad):
+    with pytest.raises(ValueError, match="Memory"):
+        parse_memory(bad)
+
+
+def test_memory_is_read_in_bytes():
+    spec = ResourceSpec.from_dict({"nodes": [{"address": "a", "memory": "3g"},
+                                             {"address": "b", "memory": 2 ** 30, "chief": True},
+                                             {"address": "c"}]})
+    assert [n.memory for n in spec.nodes] == [3 * 2 ** 30, 2 ** 30, None]

@@ -17,6 +17,7 @@ from autodist.simulator.features import cost_model_seconds
 from autodist.simulator.fidelity import kendall_tau
 from autodist.search import AutoStrategy
 from autodist.strategy import BUILDERS, Strategy
+from autodist.strategy.compiler import NodeMemoryError
 from autodist.search.builder import SearchSettings, search_strategy
 from autodist.search.search import EXPLORE_SHARE, StrategySearch
 from autodist.search.trial import CapturedGraph, TrialResult
@@ -146,7 +147,7 @@ def test_auto_strategy_without_trials_trains_like_one_device(spec_path, tmp_path
     builder = AutoStrategy(trials=0, candidates=50, log_dir=str(tmp_path), progress=False)
     strategy = assert_equivalent(spec_path, builder, "partitionable", "adam")
     assert Strategy.load(str(tmp_path / "best.strategy")) == strategy
-    assert not (tmp_path / "trials.jsonl").exists()
+    assert not (tmp_path / "trials.jsonl").exists() and not (tmp_path / "trials").exists()
 
 
 def test_auto_strategy_rejects_bad_settings():
@@ -334,3 +335,44 @@ def test_ctrl_c_before_any_trial_succeeded_is_not_swallowed():
 
     with pytest.raises(KeyboardInterrupt):
         search.run(measure, trials=4)
+
+
+def test_a_search_measures_and_picks_only_strategies_the_nodes_can_hold():
+    """With a node's ``memory`` in the spec, a 1 GiB table (with Adam's moments) that a
+    copy per node would not fit is only ever partitioned over parameter servers."""
+    table = VariableInfo("table", (2 ** 22, 64), "float32", sparse_grad=True,
+                         slot_bytes=2 ** 31)
+    graph = CapturedGraph([table, VariableInfo("dense", (64, 64), "float32")], "big", "big")
+    spec = ResourceSpec.from_dict({"nodes": [
+        {"address": f"10.0.0.{i}", "cpus": [0], "chief": i == 1, "memory": "1g"}
+        for i in range(1, 5)]})
+    search = StrategySearch(graph, spec, candidates=200, per_round=2, seed=3)
+    builders = {name: cls().build(graph, spec) for name, cls in BUILDERS.items()}
+    fitting = {name for name, strategy in builders.items() if search.fits(strategy)}
+    assert fitting == {"PartitionedPS", "UnevenPartitionedPS"}
+    candidates = search.candidates(0)
+    assert 0 < len(candidates) < 200
+
+    def parts_per_server(strategy):
+        table_config = strategy.node_config_by_name()["table"]
+        servers = [p.PSSynchronizer.reduction_destination for p in table_config.part_config]
+        return max(servers.count(s) for s in servers), len(servers)
+
+    for strategy in candidates + [search.best_predicted()]:
+        most, parts = parts_per_server(strategy)
+        assert parts >= 4 and most <= parts // 4 + 1
+    result = search.run(lambda s: TrialResult(0.1), trials=6, builders=builders)
+    sources = [t.source for t in result.trials]
+    assert sorted(sources[:2]) == ["builder:PartitionedPS", "builder:UnevenPartitionedPS"]
+    assert len(sources) == 6 and all(search.fits(t.strategy) for t in result.trials)
+
+
+def test_a_search_says_when_no_strategy_fits_the_nodes_memory():
+    table = VariableInfo("table", (2 ** 22, 64), "float32", sparse_grad=True)
+    graph = CapturedGraph([table], "big", "big")
+    spec = ResourceSpec.from_dict({"nodes": [
+        {"address": f"10.0.0.{i}", "cpus": [0], "chief": i == 1, "memory": "64m"}
+        for i in range(1, 3)]})
+    with pytest.raises(NodeMemoryError, match=r"None of the 50 strategies sampled fits the "
+                                              r"nodes' memory"):
+        StrategySearch(graph, spec, candidates=50).best_predicted()

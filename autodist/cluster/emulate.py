@@ -19,7 +19,8 @@
 
 ``spec_dict`` turns the cluster into a resource spec whose nodes carry
 ``launch_prefix: [ip, netns, exec, ad-h<i>]``, so AutoDist starts each node's
-process inside its namespace and a multi-host job runs over real, shaped links.
+process inside its namespace and a multi-host job runs over real, shaped links,
+and, with a cap, ``memory``, so AutoDist refuses a strategy that cannot fit.
 ``down`` removes all of it. Everything needs root.
 
 Note:
@@ -40,6 +41,8 @@ import subprocess
 import time
 from typing import Iterator, Sequence
 
+from autodist.resource_spec import parse_memory
+
 SUBNET = "10.123.0"
 """First three octets of the cluster subnet (a /24 that exists only inside the namespaces)."""
 
@@ -59,8 +62,6 @@ _MIN_BURST_BYTES = 16 * 1024
 _COMMAND_TIMEOUT_S = 30
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_]{1,32}")
-_MEMORY_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(?:i?b)?\s*")
-_MIN_MEMORY_BYTES = 64 * 2 ** 20
 _CGROUP_PREFIX = "autodist-"
 _CGROUP_REMOVAL_S = 10.0
 
@@ -182,29 +183,6 @@ def parse_rate(rate: str | float | int) -> float:
     return gbit
 
 
-def parse_memory(size: str | int) -> int:
-    """Converts a memory size such as ``"3g"``, ``"512m"`` or ``"1.5gb"`` to bytes.
-
-    Units are binary, as cgroups and container tools read them: ``k``, ``m``,
-    ``g``, ``t`` (optionally followed by ``b``, or ``i``/``ib``) are powers of
-    1024. A plain integer is bytes.
-
-    Raises:
-        ValueError: If ``size`` is not a size of at least 64 MiB.
-    """
-    if isinstance(size, int) and not isinstance(size, bool):
-        count = size
-    else:
-        m = _MEMORY_RE.fullmatch(size.lower()) if isinstance(size, str) else None
-        if m is None:
-            raise ValueError(f"Memory {size!r} is not a size; write a number and a unit, e.g. '3g', "
-                             "'512m' or '1.5g' (units k, m, g, t: powers of 1024).")
-        count = int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " "))
-    if count < _MIN_MEMORY_BYTES:
-        raise ValueError(f"Memory {size!r} is below 64m; a TensorFlow process needs more than that.")
-    return count
-
-
 def oom_kills(host: EmulatedHost) -> int:
     """How many processes of ``host`` the kernel killed for exceeding its memory cap (0 without one)."""
     if host.cgroup is None:
@@ -313,8 +291,8 @@ def spec_dict(cluster: EmulatedCluster) -> dict:
     """Returns a resource spec mapping for the cluster (``ResourceSpec.from_dict`` accepts it).
 
     Node ``i`` has the host's IP as ``address``, CPUs ``[0 .. k-1]``, its
-    bandwidth as ``network_bandwidth`` (Gbit/s) and the host's ``launch_prefix``;
-    the first node is the chief.
+    bandwidth as ``network_bandwidth`` (Gbit/s), the host's ``launch_prefix``
+    and, when capped, its cap as ``memory`` (bytes); the first node is the chief.
 
     Args:
         cluster: A cluster from ``up``.
@@ -329,6 +307,8 @@ def spec_dict(cluster: EmulatedCluster) -> dict:
             node["chief"] = True
         node["network_bandwidth"] = host.bandwidth_gbit
         node["launch_prefix"] = host.launch_prefix
+        if host.memory_bytes is not None:
+            node["memory"] = host.memory_bytes
         nodes.append(node)
     return {"nodes": nodes}
 

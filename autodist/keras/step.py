@@ -250,7 +250,7 @@ def _lift(traced_step: TracedStep) -> LiftedStep:
     constants = {id(e): e.numpy() for e, _ in traced.captures
                  if id(e) not in by_handle and e.dtype != tf.resource}
     graph = tf.Graph()
-    variables, state_values, input_map, initial_values = {}, {}, {}, {}
+    variables, state_values, state_bytes, input_map, initial_values = {}, {}, {}, {}, {}
     with graph.as_default():
         for external, internal in traced.captures:
             variable = by_handle.get(id(external))
@@ -278,6 +278,8 @@ def _lift(traced_step: TracedStep) -> LiftedStep:
                 state_values[placeholder.op.name] = (
                     GraphInitialValue(variable.initial_value_fn, variable) if deferred
                     else functools.partial(eager_snapshot, variable))
+                state_bytes[placeholder.op.name] = (variable.shape.num_elements()
+                                                    * variable.dtype.size)
                 variables[placeholder.op.name] = variable
                 input_map[internal.name] = placeholder
                 continue
@@ -337,7 +339,7 @@ def _lift(traced_step: TracedStep) -> LiftedStep:
     loss_scale_name = (None if call.loss_scale is None
                        else lifted_variables[id(as_tf_variable(call.loss_scale))])
     optimizer_call = KerasOptimizerCall(graph, grads_and_vars, update_ops, state_values,
-                                        TRAIN_OP, type(call.optimizer).__name__,
+                                        state_bytes, TRAIN_OP, type(call.optimizer).__name__,
                                         loss_scale_name)
     # Every node's model reads its metrics and batch-norm statistics back.
     item = GraphItem(graph, [optimizer_call], state_per_node=True,

@@ -93,6 +93,7 @@ class KerasOptimizerCall:
         optimizer_name: the optimizer's class name, for error messages.
         state_values: optimizer state placeholder name -> a function returning its
             starting value (read when needed, not kept).
+        state_bytes: optimizer state placeholder name -> its bytes.
         variable_names: the updated variables' names.
         gradient_tensors: gradient tensor name -> (variable name, component
             ``dense``/``values``/``indices``/``dense_shape``, dtype).
@@ -106,6 +107,7 @@ class KerasOptimizerCall:
         update_ops: names of the update's ops in ``graph``.
         state: the optimizer's state in ``graph``: resource placeholder name ->
             a function returning the value it starts from (a numpy array).
+        state_bytes: as above.
         result_op_name: the train op's name.
         optimizer_name: for error messages.
         loss_scale: as above.
@@ -114,7 +116,7 @@ class KerasOptimizerCall:
     global_step = None
 
     def __init__(self, graph: tf.Graph, grads_and_vars: list, update_ops: frozenset,
-                 state: dict, result_op_name: str, optimizer_name: str,
+                 state: dict, state_bytes: dict, result_op_name: str, optimizer_name: str,
                  loss_scale: Optional[str] = None):
         self.graph = graph
         self.loss_scale = loss_scale
@@ -123,6 +125,7 @@ class KerasOptimizerCall:
         self.update_op_names = frozenset(update_ops) | frozenset(state) | {result_op_name}
         self.optimizer_name = optimizer_name
         self.state_values = state
+        self.state_bytes = state_bytes
         self.variable_names = [v.op.name for _, v in grads_and_vars]
         self.gradient_tensors = {}
         for grad, variable in grads_and_vars:
@@ -150,6 +153,11 @@ class KerasOptimizerCall:
         """Original slot name -> (its variable's name, slot key)."""
         return {slot: (name, slot) for name, slots in self.stages.slots.items()
                 for slot in slots}
+
+    def slot_bytes(self) -> dict:
+        """Variable name -> the bytes of its slots."""
+        return {name: sum(self.state_bytes[slot] for slot in slots)
+                for name, slots in self.stages.slots.items()}
 
     def non_slot_names(self) -> dict:
         """Original name of each non-slot state variable (iterations) -> its key."""

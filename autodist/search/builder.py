@@ -119,9 +119,12 @@ class AutoStrategy(StrategyBuilder):
                                        seed, progress, min_timed_seconds)
 
     def build(self, graph_item, resource_spec: ResourceSpec) -> Strategy:
-        argv = [os.path.abspath(sys.argv[0]), *sys.argv[1:]]
-        runner = ScriptRunner(argv, os.path.join(self.settings.log_dir, "trials"),
-                              spec_path=resource_spec.source, timeout=self.settings.trial_timeout)
+        runner = None  # a pick by the simulator alone runs no trial, so takes no trial lock
+        if self.settings.trials:
+            argv = [os.path.abspath(sys.argv[0]), *sys.argv[1:]]
+            runner = ScriptRunner(argv, os.path.join(self.settings.log_dir, "trials"),
+                                  spec_path=resource_spec.source,
+                                  timeout=self.settings.trial_timeout)
         result = search_strategy(graph_item, resource_spec, runner, self.settings)
         if result.interrupted:  # saved, then the script stops as Ctrl-C asks
             print(f"Search interrupted: the best strategy so far is saved in "

@@ -32,6 +32,7 @@ import dataclasses
 import json
 import math
 import os
+import types
 from typing import Any, Callable, Collection, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -45,6 +46,7 @@ from autodist.simulator.ranking import RankingSimulator
 from autodist.search.sampler import SamplerConstraints, StrategySampler
 from autodist.search.trial import TrialResult
 from autodist.strategy.base import Strategy
+from autodist.strategy.compiler import NodeMemoryError, compile_strategy
 
 FIDELITY_ACCURACY = 0.8
 MIN_TRIALS_FOR_FIDELITY = 4
@@ -141,6 +143,10 @@ class StrategySearch:
         if not 0.0 <= explore_share <= 1.0:
             raise ValueError(f"explore_share must be within [0, 1], got {explore_share!r}.")
         self._variables = list(getattr(variables, "trainable_variables", variables))
+        self._graph = types.SimpleNamespace(trainable_variables=self._variables)
+        # Nodes given a memory: strategies whose training state a node cannot hold are
+        # never measured nor picked (the compiler would refuse them).
+        self._capped = any(node.memory is not None for node in resource_spec.nodes)
         # A graph trained with gradient accumulation syncs once per cycle of runs.
         self._accumulation_steps = getattr(variables, "accumulation_steps", 1)
         self._spec = resource_spec
@@ -161,9 +167,28 @@ class StrategySearch:
                                  batch_size=self._batch_size,
                                  accumulation_steps=self._accumulation_steps)
 
+    def fits(self, strategy: Strategy) -> bool:
+        """Whether every node's ``memory`` holds what ``strategy`` stores there."""
+        if not self._capped:
+            return True
+        try:
+            compile_strategy(strategy, self._graph, self._spec)
+        except NodeMemoryError:
+            return False
+        return True
+
     def best_predicted(self) -> Strategy:
-        """The candidate the simulator likes best, with no trial at all."""
+        """The candidate the simulator likes best, with no trial at all.
+
+        Raises:
+            NodeMemoryError: when no candidate fits the nodes' memory.
+        """
         candidates = self.candidates(0)
+        if not candidates:
+            raise NodeMemoryError(
+                f"None of the {self._candidates} strategies sampled fits the nodes' memory in "
+                f"the resource spec {self._spec.source!r}; give the nodes more memory, or "
+                "build a strategy that partitions the large variables (PartitionedPS).")
         scores = self.simulator.score([self.features(c) for c in candidates])
         return candidates[int(np.argmin(scores))]
 
@@ -216,8 +241,8 @@ class StrategySearch:
                     builders: Optional[dict]) -> None:
         """The builders' trials, then the search's rounds, until ``trials`` ran."""
         # The builders the cost model likes best open, within half the budget.
-        seeds = sorted(((self.features(s), name, s) for name, s in (builders or {}).items()),
-                       key=lambda seed: cost_model_seconds(seed[0]))
+        seeds = sorted(((self.features(s), name, s) for name, s in (builders or {}).items()
+                        if self.fits(s)), key=lambda seed: cost_model_seconds(seed[0]))
         for features, name, strategy in seeds[:max(1, trials // 2)]:
             record(strategy, f"builder:{name}", float(self.simulator.score([features])[0]),
                    features)
@@ -233,12 +258,13 @@ class StrategySearch:
             self._retrain(records)
 
     def candidates(self, round_index: int, exclude: Collection[str] = ()) -> List[Strategy]:
-        """A round's samples, without duplicates and without the strategy ids ``exclude``."""
+        """A round's samples that fit the nodes' memory, without duplicates and without
+        the strategy ids ``exclude``."""
         unique = {}
         for strategy in self._sampler.sample_many(self._candidates,
                                                   seed=self._seed * 100_003 + round_index):
-            if strategy.id not in exclude:
-                unique.setdefault(strategy.id, strategy)
+            if strategy.id not in exclude and strategy.id not in unique and self.fits(strategy):
+                unique[strategy.id] = strategy
         return list(unique.values())
 
     def _pick(self, round_index: int, records: List[TrialRecord], count: int) -> list:

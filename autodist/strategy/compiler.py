@@ -1,21 +1,29 @@
 """compile_strategy: validate a Strategy against a graph and cluster, before any rewrite.
 
 The result says, for every trainable variable, how it is cut and how each part is
-synchronized, in the form the kernels consume.
+synchronized, in the form the kernels consume. Where the resource spec gives a
+node's ``memory``, a strategy whose variables and optimizer slots on that node
+exceed it is refused here, before any node starts training.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Type
+import math
+from typing import Dict, Optional, Type
 
+import tensorflow as tf
 from google.protobuf.message import Message
 
 from autodist.graph_item import GraphItem, VariableInfo
 from autodist.partition import PartitionPlan, parse_partitioner
-from autodist.resource_spec import ResourceSpec
+from autodist.resource_spec import DeviceSpec, ResourceSpec
 from autodist.strategy.base import Strategy, StrategyError
 from autodist.synchronizers import KINDS, kind_of
-from autodist.synchronizers.base import SynchronizerKind
+from autodist.synchronizers.base import NodeLayout, SynchronizerKind
+
+
+class NodeMemoryError(StrategyError):
+    """A strategy stores more on a node than the node's ``memory`` in the resource spec."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,13 +57,35 @@ class CompiledStrategy:
     strategy: Strategy
     variables: dict  # var name -> CompiledVariable, in graph order
 
+    @property
+    def synchronized_parts(self) -> list:
+        """The parts whose gradients are synchronized (their variable has one)."""
+        return [part for variable in self.variables.values() for part in variable.parts
+                if variable.info.has_grad]
+
+    @property
+    def has_collectives(self) -> bool:
+        return any(p.kind.uses_collectives(p.synchronizer) for p in self.synchronized_parts)
+
+    @property
+    def has_remote_ops(self) -> bool:
+        return any(p.kind.uses_remote_ops(p.synchronizer) for p in self.synchronized_parts)
+
+    def node_layout(self, resource_spec: ResourceSpec) -> NodeLayout:
+        replicas = {address: 0 for address in resource_spec.node_addresses}
+        for replica in self.strategy.replicas:
+            replicas[DeviceSpec.from_string(replica).host_address] += 1
+        split_step = len(replicas) > 1 and self.has_collectives and self.has_remote_ops
+        return NodeLayout(resource_spec.chief, replicas, split_step)
+
 
 def compile_strategy(strategy: Strategy, graph_item: GraphItem,
                      resource_spec: ResourceSpec) -> CompiledStrategy:
     """Checks ``strategy`` fits ``graph_item`` and ``resource_spec``.
 
     Raises:
-        StrategyError: naming the variables, devices or fields that do not fit.
+        StrategyError: naming the variables, devices or fields that do not fit;
+            ``NodeMemoryError`` for a node's memory.
     """
     devices = {d.name_string() for d in resource_spec.cpu_devices}
     devices |= {d.name_string() for d in resource_spec.replica_devices}
@@ -89,7 +119,63 @@ def compile_strategy(strategy: Strategy, graph_item: GraphItem,
         compiled[info.name] = _compile_variable(configs[info.name], info, devices, strategy.id)
     for kind in KINDS.values():
         kind.check_variables(list(compiled.values()), strategy.id, len(replicas))
-    return CompiledStrategy(strategy=strategy, variables=compiled)
+    result = CompiledStrategy(strategy=strategy, variables=compiled)
+    check_node_memory(result, resource_spec)
+    return result
+
+
+def stored_bytes(compiled: CompiledStrategy, resource_spec: ResourceSpec) -> Dict[str, dict]:
+    """Node address -> {variable name: bytes of its values and optimizer slots stored in
+    that node's memory} under ``compiled``, as its kinds lay them out."""
+    layout = compiled.node_layout(resource_spec)
+    out = {address: {} for address in resource_spec.node_addresses}
+    for variable in compiled.variables.values():
+        info = variable.info
+        size = tf.as_dtype(info.dtype).size
+        for part in variable.parts:
+            elements = math.prod(part.shape)
+            value_bytes = elements * size
+            slot_bytes = info.slot_bytes * elements / max(info.num_elements, 1)
+            for address, copies in part.kind.stored_copies(part.synchronizer, layout).items():
+                held = out[address]
+                held[info.name] = (held.get(info.name, 0) + copies.values * value_bytes
+                                   + copies.slots * slot_bytes)
+    return out
+
+
+def check_node_memory(compiled: CompiledStrategy, resource_spec: ResourceSpec) -> None:
+    """Refuses a strategy whose variables and slots on a node exceed the node's ``memory``.
+
+    The estimate counts the training state alone, so it is a floor of what the node
+    needs: the refusal is never wrong, and a strategy that passes may still need more.
+
+    Raises:
+        NodeMemoryError: naming the node, its memory, the estimate and the largest variables.
+    """
+    capped = {node.address: node.memory for node in resource_spec.nodes
+              if node.memory is not None}
+    if not capped:
+        return
+    held = stored_bytes(compiled, resource_spec)
+    for address, memory in capped.items():
+        total = sum(held[address].values())
+        if total <= memory:
+            continue
+        largest = sorted(held[address].items(), key=lambda item: -item[1])[:3]
+        kinds = {name: sorted({p.kind.field for p in compiled.variables[name].parts})
+                 for name, _ in largest}
+        listed = "; ".join(f"'{name}' {_gib(nbytes)} ({', '.join(kinds[name])})"
+                           for name, nbytes in largest)
+        raise NodeMemoryError(
+            f"Strategy {compiled.strategy.id} does not fit node '{address}': its variables "
+            f"and optimizer slots there take at least {_gib(total)}, and the resource spec "
+            f"{resource_spec.source!r} gives the node memory {_gib(memory)}. Largest: "
+            f"{listed}. Partition the largest variables over the nodes' parameter servers "
+            "(PartitionedPS stores each node's share only), or give the node more memory.")
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2 ** 30:.2f} GiB"
 
 
 def _compile_variable(node, info: VariableInfo, devices: set, strategy_id: str):

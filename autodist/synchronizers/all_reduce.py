@@ -32,8 +32,9 @@ from autodist.strategy.base import StrategyError
 from autodist.synchronizers import scatter_gather
 from autodist.synchronizers.base import (COLLECTIVE_GROUP_KEY, RING_SUBDIVISIONS,
                                          CollectiveKeys, KindCost, KindSampling, Member,
-                                         Ownership, PartStorage, Reduced,
-                                         SynchronizerKind, backward_left, balanced_groups,
+                                         NodeLayout, Ownership, PartStorage, Reduced,
+                                         StoredCopies, SynchronizerKind, backward_left,
+                                         balanced_groups,
                                          collective_numbers, dense_by_dtype, draw_group_count,
                                          draw_share, flatten, launch_order, most_groups,
                                          unflatten)
@@ -180,6 +181,10 @@ class AllReduceSynchronizer(SynchronizerKind):
                         f"({listed}); a group's gradients share one buffer, so give them one "
                         f"{field} or separate groups.")
 
+    @classmethod
+    def stored_copies(cls, config, layout: NodeLayout) -> Dict[str, StoredCopies]:
+        return node_copies(layout)
+
     def create_storage(self, part, initial_value: tf.Tensor) -> PartStorage:
         copy, origin = create_all_reduce_storage(part.name, initial_value, self.ctx)
         return PartStorage(part, [copy], [copy] * self.ctx.num_replicas, self, origin)
@@ -210,6 +215,13 @@ class AllReduceSynchronizer(SynchronizerKind):
                 updates = out.local_updates
             updates.extend(m.update(mean) for m, mean in zip(grouped, means))
         return out
+
+
+def node_copies(layout: NodeLayout) -> Dict[str, StoredCopies]:
+    """What :func:`create_all_reduce_storage` stores: a copy per node, updated there
+    (its slots too), and on a cluster the origin on the chief."""
+    return {node: StoredCopies(1 + (layout.multi_node and node == layout.chief), 1)
+            for node in layout.replicas}
 
 
 def create_all_reduce_storage(name: str, initial_value: tf.Tensor, ctx: KernelContext):

@@ -17,6 +17,9 @@ of one graph on one node, built by ``kernels/transformer.py`` in these steps:
                         what a checkpoint restore assigns on this node and
                         what a save or fetch reads.
 
+Before any of it, the compiler asks ``stored_copies`` how much of a part each
+node stores, to refuse a strategy a node's memory cannot hold.
+
 The class also tells the search about the kind, as numpy over the columns of a
 strategy's parts (``simulator/traffic.py``'s ``SyncParts``): its columns
 (``traffic_record``), its cost components (``cost``), which node updates what
@@ -85,6 +88,31 @@ class Ownership(NamedTuple):
     chief: Sequence = ()
     derived: Sequence = ()
     elsewhere: Sequence = ()
+
+
+class NodeLayout(NamedTuple):
+    """The cluster as a strategy uses it, for :meth:`SynchronizerKind.stored_copies`.
+
+    Attributes:
+        chief: the chief's address.
+        replicas: every node's address -> the strategy's replicas on it.
+        split_step: a step is two runs (``KernelContext.split_step``).
+    """
+
+    chief: str
+    replicas: Dict[str, int]
+    split_step: bool
+
+    @property
+    def multi_node(self) -> bool:
+        return len(self.replicas) > 1
+
+
+class StoredCopies(NamedTuple):
+    """How much of a part one node stores: copies of its value, and of its optimizer slots."""
+
+    values: float
+    slots: float
 
 
 @dataclasses.dataclass
@@ -371,6 +399,13 @@ class SynchronizerKind:
     def check_variables(cls, variables: list, strategy_id: str, num_replicas: int) -> None:
         """Checks across parts, given every ``CompiledVariable`` and the replicas of the
         strategy; raises StrategyError."""
+
+    @classmethod
+    def stored_copies(cls, config, layout: NodeLayout) -> Dict[str, StoredCopies]:
+        """Node address -> how much of a part of ``config`` its graph stores in that
+        node's memory (a node storing none may be missing), as ``create_storage``
+        and the optimizer lay it out."""
+        raise NotImplementedError
 
     def __init__(self, ctx: KernelContext, keys: CollectiveKeys):
         self.ctx = ctx

@@ -11,18 +11,19 @@ from __future__ import annotations
 import collections
 import dataclasses
 import random
-from typing import List, NamedTuple, Tuple
+from typing import Dict, List, NamedTuple, Tuple
 
 import numpy as np
 import tensorflow as tf
 
 from autodist.kernel_context import KernelContext, replica_scope
 from autodist.network import DIRECTIONS, ClusterView, seconds
+from autodist.resource_spec import DeviceSpec
 from autodist.strategy import common
 from autodist.strategy.base import StrategyError
-from autodist.synchronizers.base import (KindCost, KindSampling, Member, Ownership,
-                                         PartStorage, Reduced, SynchronizerKind, Target,
-                                         draw_share, stash, token_queue)
+from autodist.synchronizers.base import (KindCost, KindSampling, Member, NodeLayout, Ownership,
+                                         PartStorage, Reduced, StoredCopies, SynchronizerKind,
+                                         Target, draw_share, stash, token_queue)
 
 
 class PSSynchronizer(SynchronizerKind):
@@ -107,6 +108,18 @@ class PSSynchronizer(SynchronizerKind):
                                 "unset) and staleness 0, which asks for unbounded asynchrony; "
                                 "it is not built. Set sync true for synchronous training, or a "
                                 "staleness of 1 or more.")
+
+    @classmethod
+    def stored_copies(cls, config, layout: NodeLayout) -> Dict[str, StoredCopies]:
+        """The shared copy and its slots on the server; with proxies (see
+        :func:`create_ps_storage`), one more copy per replica of every node."""
+        server = DeviceSpec.from_string(config.reduction_destination).host_address
+        copies = {server: StoredCopies(1, 1)}
+        if _has_proxies(config, layout.split_step):
+            for node, replicas in layout.replicas.items():
+                values, slots = copies.get(node, (0, 0))
+                copies[node] = StoredCopies(values + replicas, slots)
+        return copies
 
     def __init__(self, ctx: KernelContext, keys):
         super().__init__(ctx, keys)
@@ -471,7 +484,7 @@ def create_ps_storage(name: str, initial_value: tf.Tensor, sync, ctx: KernelCont
     """
     with tf.device(ctx.tf_device(sync.reduction_destination)):
         shared = tf.Variable(initial_value, name=name)
-    if not (sync.local_replication or sync.staleness > 0 or ctx.split_step):
+    if not _has_proxies(sync, ctx.split_step):
         return shared, [shared] * ctx.num_replicas
     start = shared.read_value() if ctx.multi_node else initial_value
     proxies = []
@@ -480,6 +493,10 @@ def create_ps_storage(name: str, initial_value: tf.Tensor, sync, ctx: KernelCont
             proxies.append(tf.Variable(start, trainable=False,
                                        name=f"{replica_scope(replica)}/{name}/proxy"))
     return shared, proxies
+
+
+def _has_proxies(sync, split_step: bool) -> bool:
+    return bool(sync.local_replication or sync.staleness > 0 or split_step)
 
 
 def reduce_ps_gradients(grads: list, sync, ctx: KernelContext):

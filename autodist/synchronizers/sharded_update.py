@@ -37,10 +37,11 @@ from autodist.kernel_context import replica_scope
 from autodist.network import ClusterView, in_order_sum, seconds
 from autodist.strategy import common
 from autodist.strategy.base import StrategyError
-from autodist.synchronizers.all_reduce import create_all_reduce_storage
+from autodist.synchronizers.all_reduce import create_all_reduce_storage, node_copies
 from autodist.synchronizers.base import (COLLECTIVE_GROUP_KEY, RING_SUBDIVISIONS, KindCost,
-                                         KindSampling, Member, Ownership, PartStorage, Reduced,
-                                         SynchronizerKind, Target, backward_left,
+                                         KindSampling, Member, NodeLayout, Ownership,
+                                         PartStorage, Reduced, StoredCopies, SynchronizerKind,
+                                         Target, backward_left,
                                          balanced_groups, collective_numbers, draw_group_count,
                                          launch_order, most_groups)
 
@@ -104,6 +105,14 @@ class ShardedUpdateSynchronizer(SynchronizerKind):
                         f"Strategy {strategy_id}: '{part.name}' has {elements} elements, fewer "
                         f"than the {num_replicas} replicas that would each update a shard; "
                         "synchronize it with AllReduceSynchronizer (ShardedUpdateAR does).")
+
+    @classmethod
+    def stored_copies(cls, config, layout: NodeLayout) -> Dict[str, StoredCopies]:
+        """AllReduce's copies, plus the shards of the node's replicas with their slots."""
+        total = sum(layout.replicas.values())
+        return {node: StoredCopies(copies.values + layout.replicas[node] / total,
+                                   layout.replicas[node] / total)
+                for node, copies in node_copies(layout).items()}
 
     # ------------------------------------------------------------ what the search asks
 
