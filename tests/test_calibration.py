@@ -7,7 +7,7 @@ import pytest
 
 from autodist.simulator import COMPONENTS, CostModel
 from autodist.simulator.calibration import MIN_TRIALS, Calibration, component_seconds
-from autodist.simulator.features import cost_model_seconds, strategy_features
+from autodist.simulator.features import FEATURE_NAMES, cost_model_seconds, strategy_features
 from autodist.simulator.fidelity import kendall_tau
 from autodist.search.sampler import SamplerConstraints, StrategySampler
 from test_search import heterogeneous_cluster, synthetic_graph
@@ -108,3 +108,35 @@ def test_bad_times_are_refused(times, message):
     features, _ = sampled(10, seed=1)
     with pytest.raises(ValueError, match=message):
         Calibration.fit(features, times)
+
+
+def components_only(ms: dict) -> np.ndarray:
+    """A one-row feature sequence with only these component milliseconds (and their total)."""
+    row = np.zeros((1, len(FEATURE_NAMES)), np.float32)
+    for name, value in ms.items():
+        row[0, FEATURE_NAMES.index(f"{name}_ms")] = value
+    row[0, FEATURE_NAMES.index("log_total_ms")] = math.log1p(sum(ms.values()))
+    return row
+
+
+def test_a_component_the_trials_barely_see_keeps_its_weight():
+    """Two of 12 trials carry 0.1 ms of scatter-gather (0.1% of their step) and, by
+    chance, 20 ms the components do not explain: refitting its weight would take it to
+    some 200 times its default, and a strategy moving 50 ms of scatter-gather would be
+    predicted at 10 s."""
+    rng = np.random.RandomState(0)
+    features, times = [], []
+    for trial in range(12):
+        ms = {"ring_all_reduce": rng.uniform(40, 90), "optimizer_update": rng.uniform(5, 30)}
+        extra = 0.0
+        if trial < 2:
+            ms["scatter_gather"], extra = 0.1, 0.02
+        features.append(components_only(ms))
+        times.append(0.05 + sum(ms.values()) / 1e3 + extra)
+    calibration = Calibration.fit(features, times)
+    assert calibration.multipliers["scatter_gather"] == 1.0
+    seen = {name for name, m in calibration.multipliers.items() if m != 1.0}
+    assert seen <= {"ring_all_reduce", "optimizer_update"}
+    gathered = components_only({"ring_all_reduce": 20, "scatter_gather": 50,
+                                "optimizer_update": 10})
+    assert calibration.seconds(gathered) < 0.3
