@@ -234,7 +234,9 @@ def format_section(rows: list, diffs: dict, args, command: str, info: dict,
                 f"{_gb(r['save_peak_gb'])} | {r['oom_kills']} | "
                 + ("not checked" if diff is None else f"{diff:.1e}") + " |")
         else:
-            table.append(f"| {r['system']} | failed: {r['error'].replace('|', '/')} | | | | | "
+            # A refusal without its module path and its advice: the node and the estimate.
+            error = r["error"].split("compiler.", 1)[-1].split(" Partition the", 1)[0]
+            table.append(f"| {r['system']} | failed: {error.replace('|', '/')} | | | | | "
                          f"| {r['oom_kills']} | |")
     lines = [
         BEGIN, f"## {TITLE}", "",

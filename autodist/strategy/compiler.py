@@ -161,7 +161,10 @@ def check_node_memory(compiled: CompiledStrategy, resource_spec: ResourceSpec) -
         total = sum(held[address].values())
         if total <= memory:
             continue
-        largest = sorted(held[address].items(), key=lambda item: -item[1])[:3]
+        # The three largest, leaving out those too small to matter.
+        largest = [(name, nbytes) for name, nbytes in
+                   sorted(held[address].items(), key=lambda item: -item[1])[:3]
+                   if nbytes >= total / 100]
         kinds = {name: sorted({p.kind.field for p in compiled.variables[name].parts})
                  for name, _ in largest}
         listed = "; ".join(f"'{name}' {_gib(nbytes)} ({', '.join(kinds[name])})"
