@@ -50,26 +50,26 @@ class OptimizerCall:
     result_op_name: str
     raw_gradients: dict = dataclasses.field(default_factory=dict)
 
-    def slot_names(self) -> dict:
-        """Original slot variable name -> (its variable's name, slot key)."""
-        names = {}
+    def _slots(self):
+        """(variable, slot key, slot variable) of every slot the optimizer made."""
         for _, variable in self.grads_and_vars:
             for slot_name in self.optimizer.get_slot_names():
                 slot = self.optimizer.get_slot(variable, slot_name)
                 if slot is not None:
-                    names[slot.op.name] = (variable.op.name, slot_name)
-        return names
+                    yield variable, slot_name, slot
+
+    def slot_names(self) -> dict:
+        """Original slot variable name -> (its variable's name, slot key)."""
+        return {slot.op.name: (variable.op.name, key) for variable, key, slot in self._slots()}
 
     def slot_bytes(self) -> dict:
         """Variable name -> the bytes of its slots (of a fully defined shape)."""
         sizes = {}
-        for _, variable in self.grads_and_vars:
-            for slot_name in self.optimizer.get_slot_names():
-                slot = self.optimizer.get_slot(variable, slot_name)
-                if slot is not None and slot.shape.is_fully_defined():
-                    sizes[variable.op.name] = (sizes.get(variable.op.name, 0)
-                                               + slot.shape.num_elements()
-                                               * slot.dtype.base_dtype.size)
+        for variable, _, slot in self._slots():
+            if slot.shape.is_fully_defined():
+                sizes[variable.op.name] = (sizes.get(variable.op.name, 0)
+                                           + slot.shape.num_elements()
+                                           * slot.dtype.base_dtype.size)
         return sizes
 
     def non_slot_names(self) -> dict:

@@ -91,7 +91,7 @@ class KernelContext:
     @property
     def split_step(self) -> bool:
         """A step is two runs: a local one with the collectives, then the other nodes' ops."""
-        return self.collective_steps and self.has_remote_ops
+        return splits_step(self.num_nodes, self.has_collectives, self.has_remote_ops)
 
     @property
     def shared_variables_on_chief(self) -> bool:
@@ -114,6 +114,12 @@ class KernelContext:
 
     def replica_tf_device(self, replica: int) -> str:
         return self.tf_devices[self.replica_devices[replica]]
+
+
+def splits_step(num_nodes: int, has_collectives: bool, has_remote_ops: bool) -> bool:
+    """Whether a step is two runs (``KernelContext.split_step``): on a cluster whose step
+    runs collectives, which must stay on each node's devices, and ops on other nodes'."""
+    return num_nodes > 1 and has_collectives and has_remote_ops
 
 
 def replica_scope(replica: int) -> str:

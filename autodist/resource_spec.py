@@ -42,6 +42,7 @@ _DEVICE_TYPES = ("CPU", "GPU")
 _MEMORY_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(?:i?b)?\s*")
 MIN_MEMORY_BYTES = 64 * 2 ** 20
 """The least memory a node or an emulated host may be given: a TensorFlow process needs more."""
+_MIN_MEMORY = f"{MIN_MEMORY_BYTES // 2 ** 20}m"
 
 
 class ResourceSpecError(ValueError):
@@ -134,7 +135,8 @@ def parse_memory(size: str | int) -> int:
                              "'512m' or '1.5g' (units k, m, g, t: powers of 1024).")
         count = int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " "))
     if count < MIN_MEMORY_BYTES:
-        raise ValueError(f"Memory {size!r} is below 64m; a TensorFlow process needs more than that.")
+        raise ValueError(f"Memory {size!r} is below {_MIN_MEMORY}; a TensorFlow process needs "
+                         "more than that.")
     return count
 
 
@@ -240,8 +242,8 @@ _NODE_FIELDS = {
         "a positive number of Gbit/s", "network_bandwidth: 10", float),
     "launch_prefix": _Field(lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
                             "a list of strings", "launch_prefix: [ip, netns, exec, h2]", tuple),
-    "memory": _Field(_is_memory, "a size of at least 64m: a number and a unit k, m, g or t "
-                     "(powers of 1024), or bytes", "memory: 16g", parse_memory),
+    "memory": _Field(_is_memory, f"a size of at least {_MIN_MEMORY}: a number and a unit k, m, "
+                     "g or t (powers of 1024), or bytes", "memory: 16g", parse_memory),
 }
 _SSH_FIELDS = {
     "username": _Field(_is_str, "a non-empty string", "username: root", str, True),

@@ -635,7 +635,11 @@ def format_section(tables: dict, verdicts: list, args, command: str, info: dict,
         "Command (root, iproute2; the first run also builds Horovod's venv, about 5 min): "
         f"`{command}`", "",
         "Step in ms; peak RSS in GB, the largest of the run's processes; *vs peer* = the "
-        "peer's step time / the system's (above 1: faster than the peer).", ""]
+        "peer's step time / the system's (above 1: faster than the peer)."
+        + (f" `{kst.AUTO}`: its pick by the simulator alone (`trials=0`), made in each job; "
+           "without a `memory` in the spec nothing stops it from picking proxies of the table "
+           "(a copy per replica)." if any(kst.parse_builder(b)[0] == kst.AUTO
+                                         for b in args.builders) else ""), ""]
     for setting, table in tables.items():
         for optimizer in args.optimizers:
             if any(opt == optimizer for opt, _ in table):

@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import sys
@@ -234,8 +235,7 @@ def format_section(rows: list, diffs: dict, args, command: str, info: dict,
                 f"{_gb(r['save_peak_gb'])} | {r['oom_kills']} | "
                 + ("not checked" if diff is None else f"{diff:.1e}") + " |")
         else:
-            # A refusal without its module path and its advice: the node and the estimate.
-            error = r["error"].split("compiler.", 1)[-1].split(" Partition the", 1)[0]
+            error = re.sub(r"^(\w+\.)+(?=\w+Error:)", "", r["error"])  # no module path
             table.append(f"| {r['system']} | failed: {error.replace('|', '/')} | | | | | "
                          f"| {r['oom_kills']} | |")
     lines = [

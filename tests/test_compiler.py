@@ -148,6 +148,16 @@ def test_each_kind_counts_the_copies_it_stores_on_every_node():
         [4 * (1 + (a == "10.0.0.1") + s) + 8 * s for a, s in zip(spec.node_addresses, shares)])
 
 
+def test_copies_on_gpus_are_not_in_the_nodes_memory():
+    """With GPU replicas, Parallax's proxies sit on the GPUs: the node's memory holds only
+    its parameter server's parts, as under PartitionedPS; AllReduce's copy is on the CPU."""
+    spec = ResourceSpec.from_dict({"nodes": [
+        {"address": f"10.0.0.{i}", "cpus": [0], "gpus": [0, 1], "chief": i == 1}
+        for i in (1, 2)]})
+    assert _table_bytes(Parallax(), spec) == _table_bytes(PartitionedPS(), spec)
+    assert _table_bytes(AllReduce(), spec) == [4 * 256, 3 * 256]
+
+
 def test_a_strategy_a_node_cannot_hold_is_refused_naming_node_and_variable():
     spec = _capped("600m", 1, 1, 1, 1)
     with pytest.raises(StrategyError) as refused:

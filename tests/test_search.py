@@ -373,6 +373,10 @@ def test_a_search_says_when_no_strategy_fits_the_nodes_memory():
     spec = ResourceSpec.from_dict({"nodes": [
         {"address": f"10.0.0.{i}", "cpus": [0], "chief": i == 1, "memory": "64m"}
         for i in range(1, 3)]})
-    with pytest.raises(NodeMemoryError, match=r"None of the 50 strategies sampled fits the "
-                                              r"nodes' memory"):
+    nothing_fits = r"None of the 50 strategies sampled, nor a builder's, fits the nodes' memory"
+    with pytest.raises(NodeMemoryError, match=nothing_fits):
         StrategySearch(graph, spec, candidates=50).best_predicted()
+    builders = {name: cls().build(graph, spec) for name, cls in BUILDERS.items()}
+    with pytest.raises(NodeMemoryError, match=nothing_fits):
+        StrategySearch(graph, spec, candidates=50).run(lambda s: TrialResult(0.1), trials=4,
+                                                       builders=builders)

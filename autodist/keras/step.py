@@ -278,7 +278,7 @@ def _lift(traced_step: TracedStep) -> LiftedStep:
                 state_values[placeholder.op.name] = (
                     GraphInitialValue(variable.initial_value_fn, variable) if deferred
                     else functools.partial(eager_snapshot, variable))
-                state_bytes[placeholder.op.name] = (variable.shape.num_elements()
+                state_bytes[placeholder.op.name] = ((variable.shape.num_elements() or 0)
                                                     * variable.dtype.size)
                 variables[placeholder.op.name] = variable
                 input_map[internal.name] = placeholder

@@ -86,6 +86,7 @@ class KerasOptimizerCall:
         update_op_names: every op of the update, the optimizer's state
             placeholders and the train op.
         result_op_name: the op running the whole update (the train op).
+        state_bytes: optimizer state placeholder name -> its bytes (``slot_bytes``).
         loss_scale: the lifted variable the step multiplies its loss by before
             the gradients (a ``LossScaleOptimizer``'s scale), or None.
 
@@ -93,7 +94,6 @@ class KerasOptimizerCall:
         optimizer_name: the optimizer's class name, for error messages.
         state_values: optimizer state placeholder name -> a function returning its
             starting value (read when needed, not kept).
-        state_bytes: optimizer state placeholder name -> its bytes.
         variable_names: the updated variables' names.
         gradient_tensors: gradient tensor name -> (variable name, component
             ``dense``/``values``/``indices``/``dense_shape``, dtype).

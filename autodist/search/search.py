@@ -45,7 +45,7 @@ from autodist.simulator.fidelity import fidelity_threshold
 from autodist.simulator.ranking import RankingSimulator
 from autodist.search.sampler import SamplerConstraints, StrategySampler
 from autodist.search.trial import TrialResult
-from autodist.strategy.base import Strategy
+from autodist.strategy.base import Strategy, StrategyError
 from autodist.strategy.compiler import NodeMemoryError, compile_strategy
 
 FIDELITY_ACCURACY = 0.8
@@ -175,7 +175,15 @@ class StrategySearch:
             compile_strategy(strategy, self._graph, self._spec)
         except NodeMemoryError:
             return False
+        except StrategyError:
+            return True  # another fault, which its trial reports as before
         return True
+
+    def _nothing_fits(self) -> NodeMemoryError:
+        return NodeMemoryError(
+            f"None of the {self._candidates} strategies sampled, nor a builder's, fits the "
+            f"nodes' memory in the resource spec {self._spec.source!r}; give the nodes more "
+            "memory, or build a strategy that partitions the large variables (PartitionedPS).")
 
     def best_predicted(self) -> Strategy:
         """The candidate the simulator likes best, with no trial at all.
@@ -185,10 +193,7 @@ class StrategySearch:
         """
         candidates = self.candidates(0)
         if not candidates:
-            raise NodeMemoryError(
-                f"None of the {self._candidates} strategies sampled fits the nodes' memory in "
-                f"the resource spec {self._spec.source!r}; give the nodes more memory, or "
-                "build a strategy that partitions the large variables (PartitionedPS).")
+            raise self._nothing_fits()
         scores = self.simulator.score([self.features(c) for c in candidates])
         return candidates[int(np.argmin(scores))]
 
@@ -211,6 +216,7 @@ class StrategySearch:
 
         Raises:
             RuntimeError: when every trial failed.
+            NodeMemoryError: when no strategy fits the nodes' memory.
             KeyboardInterrupt: on a Ctrl-C before any trial succeeded.
         """
         records: List[TrialRecord] = []
@@ -231,6 +237,8 @@ class StrategySearch:
             if result.best is None:
                 raise
             result.interrupted = True
+        if not records and self._capped:
+            raise self._nothing_fits()
         result.calibration = self.calibration
         if result.best is None:
             raise RuntimeError(f"Every one of the {len(records)} trials failed; the first: "

@@ -11,10 +11,10 @@ import dataclasses
 import math
 from typing import Dict, Optional, Type
 
-import tensorflow as tf
 from google.protobuf.message import Message
 
 from autodist.graph_item import GraphItem, VariableInfo
+from autodist.kernel_context import splits_step
 from autodist.partition import PartitionPlan, parse_partitioner
 from autodist.resource_spec import DeviceSpec, ResourceSpec
 from autodist.strategy.base import Strategy, StrategyError
@@ -65,18 +65,24 @@ class CompiledStrategy:
 
     @property
     def has_collectives(self) -> bool:
+        """Some synchronized part reduces through collectives (``KernelContext``'s)."""
         return any(p.kind.uses_collectives(p.synchronizer) for p in self.synchronized_parts)
 
     @property
     def has_remote_ops(self) -> bool:
+        """Some synchronized part runs ops on other nodes' devices (``KernelContext``'s)."""
         return any(p.kind.uses_remote_ops(p.synchronizer) for p in self.synchronized_parts)
 
     def node_layout(self, resource_spec: ResourceSpec) -> NodeLayout:
-        replicas = {address: 0 for address in resource_spec.node_addresses}
-        for replica in self.strategy.replicas:
-            replicas[DeviceSpec.from_string(replica).host_address] += 1
-        split_step = len(replicas) > 1 and self.has_collectives and self.has_remote_ops
-        return NodeLayout(resource_spec.chief, replicas, split_step)
+        """The cluster as this strategy uses it, for the kinds' ``stored_copies``."""
+        replicas = dict.fromkeys(resource_spec.node_addresses, 0)
+        cpu_replicas = dict(replicas)
+        for replica in map(DeviceSpec.from_string, self.strategy.replicas):
+            replicas[replica.host_address] += 1
+            cpu_replicas[replica.host_address] += replica.device_type == "CPU"
+        return NodeLayout(resource_spec.chief, replicas, cpu_replicas,
+                          splits_step(len(replicas), self.has_collectives,
+                                      self.has_remote_ops))
 
 
 def compile_strategy(strategy: Strategy, graph_item: GraphItem,
@@ -131,11 +137,9 @@ def stored_bytes(compiled: CompiledStrategy, resource_spec: ResourceSpec) -> Dic
     out = {address: {} for address in resource_spec.node_addresses}
     for variable in compiled.variables.values():
         info = variable.info
-        size = tf.as_dtype(info.dtype).size
         for part in variable.parts:
-            elements = math.prod(part.shape)
-            value_bytes = elements * size
-            slot_bytes = info.slot_bytes * elements / max(info.num_elements, 1)
+            share = math.prod(part.shape) / max(info.num_elements, 1)
+            value_bytes, slot_bytes = info.size_bytes * share, info.slot_bytes * share
             for address, copies in part.kind.stored_copies(part.synchronizer, layout).items():
                 held = out[address]
                 held[info.name] = (held.get(info.name, 0) + copies.values * value_bytes
@@ -146,8 +150,9 @@ def stored_bytes(compiled: CompiledStrategy, resource_spec: ResourceSpec) -> Dic
 def check_node_memory(compiled: CompiledStrategy, resource_spec: ResourceSpec) -> None:
     """Refuses a strategy whose variables and slots on a node exceed the node's ``memory``.
 
-    The estimate counts the training state alone, so it is a floor of what the node
-    needs: the refusal is never wrong, and a strategy that passes may still need more.
+    The estimate counts the training state in the node's memory alone (not on its
+    GPUs), so it is a floor of what the node needs: the refusal is never wrong, and
+    a strategy that passes may still need more.
 
     Raises:
         NodeMemoryError: naming the node, its memory, the estimate and the largest variables.
@@ -161,10 +166,9 @@ def check_node_memory(compiled: CompiledStrategy, resource_spec: ResourceSpec) -
         total = sum(held[address].values())
         if total <= memory:
             continue
-        # The three largest, leaving out those too small to matter.
-        largest = [(name, nbytes) for name, nbytes in
-                   sorted(held[address].items(), key=lambda item: -item[1])[:3]
-                   if nbytes >= total / 100]
+        # The three largest, leaving out after the first those too small to matter.
+        ranked = sorted(held[address].items(), key=lambda item: -item[1])[:3]
+        largest = ranked[:1] + [item for item in ranked[1:] if item[1] >= total / 100]
         kinds = {name: sorted({p.kind.field for p in compiled.variables[name].parts})
                  for name, _ in largest}
         listed = "; ".join(f"'{name}' {_gib(nbytes)} ({', '.join(kinds[name])})"

@@ -96,11 +96,14 @@ class NodeLayout(NamedTuple):
     Attributes:
         chief: the chief's address.
         replicas: every node's address -> the strategy's replicas on it.
+        cpu_replicas: every node's address -> those of its replicas that are CPU
+            devices, whose variables live in the node's memory (a GPU's do not).
         split_step: a step is two runs (``KernelContext.split_step``).
     """
 
     chief: str
     replicas: Dict[str, int]
+    cpu_replicas: Dict[str, int]
     split_step: bool
 
     @property
@@ -403,8 +406,8 @@ class SynchronizerKind:
     @classmethod
     def stored_copies(cls, config, layout: NodeLayout) -> Dict[str, StoredCopies]:
         """Node address -> how much of a part of ``config`` its graph stores in that
-        node's memory (a node storing none may be missing), as ``create_storage``
-        and the optimizer lay it out."""
+        node's memory, as ``create_storage`` and the optimizer lay it out; copies on
+        a GPU are not in it, and a node storing none may be missing."""
         raise NotImplementedError
 
     def __init__(self, ctx: KernelContext, keys: CollectiveKeys):

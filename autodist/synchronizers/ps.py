@@ -111,12 +111,12 @@ class PSSynchronizer(SynchronizerKind):
 
     @classmethod
     def stored_copies(cls, config, layout: NodeLayout) -> Dict[str, StoredCopies]:
-        """The shared copy and its slots on the server; with proxies (see
-        :func:`create_ps_storage`), one more copy per replica of every node."""
-        server = DeviceSpec.from_string(config.reduction_destination).host_address
-        copies = {server: StoredCopies(1, 1)}
+        """The shared copy and its slots on a CPU server; with proxies (see
+        :func:`create_ps_storage`), one more copy per CPU replica of every node."""
+        server = DeviceSpec.from_string(config.reduction_destination)
+        copies = {server.host_address: StoredCopies(1, 1)} if server.device_type == "CPU" else {}
         if _has_proxies(config, layout.split_step):
-            for node, replicas in layout.replicas.items():
+            for node, replicas in layout.cpu_replicas.items():
                 values, slots = copies.get(node, (0, 0))
                 copies[node] = StoredCopies(values + replicas, slots)
         return copies

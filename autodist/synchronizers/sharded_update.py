@@ -108,10 +108,10 @@ class ShardedUpdateSynchronizer(SynchronizerKind):
 
     @classmethod
     def stored_copies(cls, config, layout: NodeLayout) -> Dict[str, StoredCopies]:
-        """AllReduce's copies, plus the shards of the node's replicas with their slots."""
+        """AllReduce's copies, plus the shards of the node's CPU replicas with their slots."""
         total = sum(layout.replicas.values())
-        return {node: StoredCopies(copies.values + layout.replicas[node] / total,
-                                   layout.replicas[node] / total)
+        return {node: StoredCopies(copies.values + layout.cpu_replicas[node] / total,
+                                   layout.cpu_replicas[node] / total)
                 for node, copies in node_copies(layout).items()}
 
     # ------------------------------------------------------------ what the search asks
