@@ -148,6 +148,18 @@ def test_each_kind_counts_the_copies_it_stores_on_every_node():
         [4 * (1 + (a == "10.0.0.1") + s) + 8 * s for a, s in zip(spec.node_addresses, shares)])
 
 
+def test_a_partitioned_variable_read_whole_is_stitched_once_per_node():
+    """A matmul reads a partitioned kernel whole: each node's CPU replicas share one
+    copy stitched from the parts, besides the parts the node stores."""
+    kernel = VariableInfo("kernel", (64, 2 ** 14), "float32", read_whole=True)  # 4 MiB
+    graph = types.SimpleNamespace(trainable_variables=[kernel])
+    spec = _capped(None, 2, 1, 3)
+    compiled = compile_strategy(PartitionedPS().build(graph, spec), graph, spec)
+    held = [v.get("kernel", 0) / MiB for v in stored_bytes(compiled, spec).values()]
+    assert sum(held) == pytest.approx(4 + 3 * 4)
+    assert min(held) >= 4
+
+
 def test_copies_on_gpus_are_not_in_the_nodes_memory():
     """With GPU replicas, Parallax's proxies sit on the GPUs: the node's memory holds only
     its parameter server's parts, as under PartitionedPS; AllReduce's copy is on the CPU."""

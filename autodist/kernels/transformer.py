@@ -6,7 +6,7 @@ The stages, each owned by one kernel module:
 2. storage (partitioner + synchronizer kinds)
                                  each variable part stored as its kind says;
                                  partitioned variables that some op reads whole
-                                 re-stitched per replica
+                                 re-stitched once per node for its CPU replicas
 3. replicator.replicate          the model once per local replica, its gathers
                                  of a variable's rows reading them where they
                                  are stored; state the forward pass assigns
@@ -21,6 +21,8 @@ The stages, each owned by one kernel module:
                                  (``item.optimizer_calls``) recreated for every
                                  stored copy of its variables; then each kind's
                                  end-of-step work
+6. fills                         large fills (zero starts) kept from being
+                                 folded into constants the session would keep
 
 Stages 4 and 5 run once per optimizer call, with kind instances of its own, so
 that each call's train op synchronizes and updates its own variables only.
@@ -39,7 +41,7 @@ import tensorflow as tf
 from autodist import _tf_compat
 from autodist.graph_item import GraphItem, PartUpdate
 from autodist.kernel_context import KernelContext, replica_scope
-from autodist.kernels import gradient_processing, partitioner, replicator
+from autodist.kernels import fills, gradient_processing, partitioner, replicator
 from autodist.kernels.accumulator import Accumulation
 from autodist.strategy.compiler import CompiledStrategy, CompiledVariable
 from autodist.synchronizers import KINDS
@@ -180,6 +182,7 @@ def transform(item: GraphItem, compiled: CompiledStrategy, ctx: KernelContext) -
             for optimizer in update.optimizers:
                 result.initial_values.update(optimizer.initial_values)
         _reconnect(result, deferred)
+        fills.keep_large_fills(result.graph)
         _plan_initialization(result, list(shared_variables.values()),
                              [s for synchronizers in per_call for s in synchronizers.values()],
                              foreign)
@@ -228,15 +231,25 @@ def _create_storage(item: GraphItem, variable: CompiledVariable, ctx: KernelCont
     parts = [synchronizers[part.kind.field].create_storage(part, value)
              for part, value in zip(variable.parts, values)]
     handles = []
+    stitched_on_host = None  # the CPU replicas' one stitched copy, made at first need
     for replica in range(ctx.num_replicas):
         readers = [p.readers[replica] for p in parts]
         if variable.plan is not None and not item.reads[variable.info.name].whole:
             handles.append(_unbacked_handle(variable, replica, ctx))
         elif variable.plan is not None:
-            handles.append(_replica_copy_handle(
-                variable, lambda r=readers: partitioner.stitch(
-                    [reader.read_value() for reader in r], variable.plan),
-                replica, "stitched", ctx))
+            def stitch(r=readers):
+                return partitioner.stitch([reader.read_value() for reader in r], variable.plan)
+            if (_on_cpu(ctx.replica_tf_device(replica))
+                    and variable.info.name not in item.read_by_control_flow):
+                # CPU replicas share the host's memory: one copy serves them all, and
+                # is stitched once per step (a loop taking it would run where it is).
+                if stitched_on_host is None:
+                    stitched_on_host = _replica_copy_handle(variable, stitch, replica,
+                                                            "stitched", ctx)
+                handles.append(stitched_on_host)
+            else:
+                handles.append(_replica_copy_handle(variable, stitch, replica, "stitched",
+                                                    ctx))
         elif (variable.info.name in item.read_by_control_flow
               and not _same_device(readers[0].device, ctx.replica_tf_device(replica))):
             # A loop taking the variable would run where the variable is stored.
@@ -276,6 +289,10 @@ def _unbacked_handle(variable: CompiledVariable, replica: int, ctx: KernelContex
         name = f"{replica_scope(replica)}/{variable.info.name}/unbacked"
         return tf.raw_ops.VarHandleOp(dtype=tf.as_dtype(variable.info.dtype),
                                       shape=variable.info.shape, shared_name=name, name=name)
+
+
+def _on_cpu(device: str) -> bool:
+    return tf.DeviceSpec.from_string(device).device_type == "CPU"
 
 
 def _same_device(a: str, b: str) -> bool:
