@@ -525,7 +525,8 @@ def format_section(rows: list, command: str, info: dict, touch_s: float,
         "memory goes back to the VM's host, so every new buffer costs that again). "
         f"Command: `{command}`.", "",
         "*memory bound* = the reference's peak + one copy of the training state + "
-        f"{MEMORY_ALLOWANCE_GB * 1024:.0f} MB; a two-node run shows each node's peak.", "",
+        f"{MEMORY_ALLOWANCE_GB * 1024:.0f} MB; a two-node run shows each node's peak. What "
+        "each system holds, and why: [notes](notes/model_scale.md).", "",
         "**Keras `fit`** (reference: `keras`)", "", table(rows, "fit"), "",
         "**Custom loop** (reference: `tf.function`)", "", table(rows, "loop"), "",
         "**`tf.compat.v1`** (reference: a plain session)", "", table(rows, "graph"), "",
