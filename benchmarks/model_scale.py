@@ -308,7 +308,7 @@ def run(case: Case, width: int, optimizer: str, save: str, timeout: float) -> di
         results = _subprocess_results(command, timeout)
     else:
         results = _on_emulated_cluster(case, command, timeout)
-    if "error" in results[0]:
+    if "error" in results[0] or "skipped" in results[0]:
         return results[0]
     results.sort(key=lambda r: r.get("node", 0))
     row = dict(results[0])
