@@ -21,7 +21,7 @@ import tensorflow as tf
 
 import keras_models as km
 from autodist import AutoDist
-from autodist._tf_compat import eager_snapshot
+from autodist._tf_compat import EagerVariables, eager_snapshot
 from autodist.keras.update import RESOURCE_WRITES
 from autodist.kernels import partitioner
 from autodist.partition import PartitionPlan
@@ -920,3 +920,44 @@ def test_a_steps_graph_holds_no_weight_values_which_initialization_feeds(spec_pa
     assert np.shares_memory(synced, eager_snapshot(kernel))
     for got, want in zip(model.get_weights(), single.get_weights()):
         np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
+
+
+def test_variables_of_few_bytes_are_read_and_assigned_in_one_call():
+    """The small state AutoDist copies at every step (metrics, the optimizer's
+    scalars) goes through one traced call each way, also where a graph is the default."""
+    rate, counts, label = tf.Variable(0.1), tf.Variable([1, 2], dtype=tf.int64), tf.Variable(b"a")
+    together = EagerVariables([rate, counts, label])
+    with tf.Graph().as_default():
+        together.assign([np.float32(0.5), np.array([3, 4]), np.array(b"b", dtype=object)])
+        values = together.read()
+    assert (rate.numpy(), counts.numpy().tolist(), label.numpy()) == (0.5, [3, 4], b"b")
+    rate.assign(0.7)
+    assert values[0] == 0.5  # an array of its own
+    together.assign([np.float32(0.25), np.array([5, 6]), np.array(b"c", dtype=object)])
+    assert together.read()[0] == 0.25
+    assert together._assign.experimental_get_tracing_count() == 1  # pylint: disable=protected-access
+
+
+def test_a_step_restores_only_the_small_state_keras_code_changed(spec_path, monkeypatch):
+    ad = AutoDist(resource_spec_file=spec_path, strategy_builder=AllReduce())
+    with ad.scope():
+        model = km.build("mlp")
+        optimizer = keras.optimizers.SGD(0.05)
+        step = ad.function(km.make_train_step(model, optimizer, km.loss("mlp")))
+    batches = list(km.batches(*km.data("mlp")))
+    step(*batches[0])
+    distributed, runs = step.step, []
+    session = distributed.session.tf_session
+    run = session.run
+    monkeypatch.setattr(session, "run", lambda *args, **kwargs: runs.append(args) or run(
+        *args, **kwargs))
+    distributed.copy_from_eager_if_changed(weights=False, slots=False)
+    assert runs == []  # nothing changed: compared, not restored
+    optimizer.learning_rate.assign(float("nan"))
+    distributed.copy_from_eager_if_changed(weights=False, slots=False)
+    assert len(runs) == 1
+    distributed.copy_to_eager(weights=False, slots=False)
+    runs.clear()
+    distributed.copy_from_eager_if_changed(weights=False, slots=False)
+    assert runs == []  # a NaN equals the NaN copied
+    assert np.isnan(float(optimizer.learning_rate))

@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
-from autodist._tf_compat import eager_snapshot
+from autodist._tf_compat import DeferredVariable, EagerVariables, eager_snapshot
 from autodist.kernels import partitioner
 from autodist.kernels.locations import Locator
 from autodist.keras.step import STATE_OP, LiftedStep, StepCache, is_static
@@ -73,8 +73,12 @@ class DistributedStep:
                 placeholder = tf.compat.v1.placeholder(variable.dtype, variable.shape)
                 self._writes.append((variable, placeholder, location.restore(placeholder)))
         # id of an eager variable -> its snapshot (``eager_snapshot``) when last copied
-        # either way: no bytes of its own until Keras code writes the variable.
+        # either way: no bytes of its own until Keras code writes the variable. A
+        # variable of few bytes keeps the array last copied, and is read and written
+        # with the others of its kind in one call (``EagerVariables``).
         self._synced = {}
+        self._few_bytes = {id(v) for v in lifted.variables.values() if _few_bytes(v)}
+        self._batches = {}  # ids of variables of few bytes -> their EagerVariables
         self._fetch_outputs = [o for o in lifted.outputs if isinstance(o, tf.Tensor)]
 
     @property
@@ -123,12 +127,27 @@ class DistributedStep:
             else:
                 reads.append((variable, tensor))
         values = self._session.tf_session.run([tensor for _, tensor in reads])
+        few = [(variable, np.asarray(value)) for (variable, _), value in zip(reads, values)
+               if id(variable) in self._few_bytes]
+        if few:
+            self._batch([variable for variable, _ in few]).assign([value for _, value in few])
+            for variable, value in few:
+                self._synced[id(variable)] = value  # what it holds; nothing else writes it
         for (variable, _), value in zip(reads, values):
+            if id(variable) in self._few_bytes:
+                continue
             # Without the old snapshot the variable's buffer is its own, written in place
             # (a shared one would get a fresh buffer, and a fresh gigabyte costs seconds).
             self._synced.pop(id(variable), None)
             variable.assign(_as_tensor_in_place(value))
             self._synced[id(variable)] = eager_snapshot(variable)
+
+    def _batch(self, variables: list) -> EagerVariables:
+        """``variables`` (of few bytes) read or assigned together, traced once per list."""
+        key = tuple(map(id, variables))
+        if key not in self._batches:
+            self._batches[key] = EagerVariables(variables)
+        return self._batches[key]
 
     def _piece_reads(self, variable) -> list:
         """``(index, read)`` per piece of at most ``PIECE_BYTES`` of the variable, each read
@@ -164,15 +183,16 @@ class DistributedStep:
             weights: also check the model's weights.
             slots: also check the optimizer's slots.
         """
+        checked = [(variable, placeholder, restore) for variable, placeholder, restore
+                   in self._writes if self._selected(variable, weights, slots)
+                   and id(variable) in self._synced]
+        few = [variable for variable, _, _ in checked if id(variable) in self._few_bytes]
+        now = dict(zip(map(id, few), self._batch(few).read())) if few else {}
         feeds, ops = {}, []
-        for variable, placeholder, restore in self._writes:
-            if not self._selected(variable, weights, slots):
-                continue
-            synced = self._synced.get(id(variable))
-            if synced is None:
-                continue
-            value = eager_snapshot(variable)
-            if _same_buffer(synced, value) or np.array_equal(synced, value):
+        for variable, placeholder, restore in checked:
+            synced = self._synced[id(variable)]
+            value = now[id(variable)] if id(variable) in now else eager_snapshot(variable)
+            if _same_buffer(synced, value) or _equal(synced, value):
                 continue
             feeds[placeholder] = value
             ops.append(restore)
@@ -280,6 +300,17 @@ def _as_tensor_in_place(value):
         return tf.experimental.dlpack.from_dlpack(value.__dlpack__())
     except (BufferError, TypeError, ValueError, tf.errors.InvalidArgumentError):
         return value  # a dtype DLPack does not carry
+
+
+def _few_bytes(variable) -> bool:
+    """Whether copying ``variable``'s value costs less than an eager op's overhead."""
+    return (not isinstance(variable, DeferredVariable) and variable.shape.is_fully_defined()
+            and variable.shape.num_elements() * variable.dtype.size < _IN_PLACE_BYTES)
+
+
+def _equal(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two snapshots hold the same values (a NaN equal to a NaN)."""
+    return np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")
 
 
 def _same_buffer(a: np.ndarray, b: np.ndarray) -> bool:
