@@ -294,7 +294,8 @@ class AutoDist:
                                      target=server.target, monitor=monitor, on_step=on_step,
                                      stuck_nodes=stuck_nodes, check_not_left=check_not_left)
         if role.is_chief:
-            peer.wait_ready(JOIN_TIMEOUT_S)
+            peer.wait_ready(JOIN_TIMEOUT_S)  # every node has initialized its copies
+            session.release_start_state()
         else:
             peer.report_ready()
         return strategy, session

@@ -164,6 +164,12 @@ class DistributedSession:
             time.sleep(0.2)
         self._session.run(copies, feed_dict=feeds)
 
+    def release_start_state(self) -> None:
+        """Drops what only start-up needed (the chief's origins of the nodes' copies);
+        call once every node has initialized."""
+        if self._distributed.release_after_start is not None:
+            self._session.run(self._distributed.release_after_start)
+
     def _initial_value_feeds(self) -> dict:
         """The starting values held outside the graph, for the placeholders of them
         this node's graph kept."""

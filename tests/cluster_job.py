@@ -219,6 +219,9 @@ def main() -> None:
             value, _ = sess.run([loss, train], {t: b[rows] for t, b in zip(inputs, batch)})
             print(f"node {ad.node_index} step {step} loss {value:.6f}", flush=True)
         values = sess.run(variables)
+        if ad.is_chief:
+            print(f"node 0 dropped {dropped_start_copies(sess)} of "
+                  f"{len(sess.distributed.start_only)} start-up copies", flush=True)
         rows, whole = proxy_refreshes(sess.distributed.graph, "embedding")
         print(f"node {ad.node_index} refreshes the embedding's proxies by rows {rows} "
               f"whole {whole}", flush=True)
@@ -245,6 +248,16 @@ def train_gan(ad, args, rows: slice) -> None:
             print(f"node {ad.node_index} step {step} done", flush=True)
         if ad.is_chief:
             save_by_name(args.out, sess, variables)
+
+
+def dropped_start_copies(sess) -> int:
+    """How many of the chief's start-up copies (the origins of the nodes' copies) are gone."""
+    start_only = sess.distributed.start_only
+    if not start_only:
+        return 0
+    with sess.graph.as_default():
+        missing = tf1.report_uninitialized_variables(start_only)
+    return len(sess.tf_session.run(missing))
 
 
 def proxy_refreshes(graph, variable: str) -> tuple:

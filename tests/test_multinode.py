@@ -74,6 +74,11 @@ def test_cluster_training_equals_single_device(request, tmp_path, cluster_name, 
     # Every node trained: each printed its last step.
     for node in range(len(cluster.hosts)):
         assert f"node {node} step {STEPS - 1} loss" in done.stdout
+    # The chief keeps no origin of the nodes' all-reduced copies once all have started.
+    dropped, origins = map(int, re.search(r"node 0 dropped (\d+) of (\d+) start-up copies",
+                                          done.stdout).groups())
+    assert dropped == origins
+    assert (origins > 0) == (builder not in ("PS", "PartitionedPS"))  # no all-reduce
     _assert_no_job_left()
 
 

@@ -109,7 +109,9 @@ class DistributedGraph:
     initialized) is empty. Both phases feed ``initial_values`` (placeholder name
     -> a function returning its value): the starting values held outside the graph.
     ``row_reads`` (variable name -> per replica, the ops gathering its rows where
-    they are stored) come before the variable's update.
+    they are stored) come before the variable's update. On the chief of a cluster,
+    ``release_after_start`` drops the ``start_only`` variables (the origins every
+    node's copies start from), to run once every node has initialized.
     """
 
     graph: tf.Graph
@@ -122,6 +124,8 @@ class DistributedGraph:
     chief_uninitialized: Optional[tf.Tensor] = None
     initial_values: dict = dataclasses.field(default_factory=dict)
     row_reads: dict = dataclasses.field(default_factory=dict)
+    start_only: list = dataclasses.field(default_factory=list)
+    release_after_start: Optional[tf.Operation] = None
 
     def replica_element(self, name: str, replica: int):
         """The replica's copy of an op or tensor of the original graph."""
@@ -206,6 +210,7 @@ def _plan_initialization(result: DistributedGraph, shared_variables: list,
             chief_owned.update(ownership.chief)
             derived.update(ownership.derived)
             elsewhere.update(ownership.elsewhere)
+            result.start_only.extend(ownership.start_only)
     everything = [v for v in everything if v not in elsewhere]
     # What the chief owns (a PS variable and its slots) exists in its graph alone.
     first = [v for v in everything if v not in derived and (ctx.is_chief or v not in chief_owned)]
@@ -218,6 +223,16 @@ def _plan_initialization(result: DistributedGraph, shared_variables: list,
     if not ctx.is_chief:
         result.chief_uninitialized = tf.compat.v1.report_uninitialized_variables(
             sorted(chief_owned, key=lambda v: v.name))
+    elif result.start_only:
+        result.release_after_start = tf.group(
+            *[_destroyed(v) for v in result.start_only],
+            name="autodist_release_after_start")
+
+
+def _destroyed(variable: tf.Variable) -> tf.Operation:
+    """Drops ``variable`` from its device's resources, freeing its value's memory."""
+    with tf.device(variable.device):
+        return tf.raw_ops.DestroyResourceOp(resource=variable.handle, ignore_lookup_error=True)
 
 
 def _create_storage(item: GraphItem, variable: CompiledVariable, ctx: KernelContext,

@@ -192,7 +192,8 @@ class AllReduceSynchronizer(SynchronizerKind):
     def initialization(self, storage: PartStorage) -> Ownership:
         if storage.origin is None:
             return Ownership()
-        return Ownership(chief=[storage.origin], derived=list(storage.copies))
+        return Ownership(chief=[storage.origin], derived=list(storage.copies),
+                         start_only=[storage.origin])
 
     def synchronize(self, members: List[Member]) -> Reduced:
         out = Reduced()
@@ -219,7 +220,7 @@ class AllReduceSynchronizer(SynchronizerKind):
 
 def node_copies(layout: NodeLayout) -> Dict[str, StoredCopies]:
     """What :func:`create_all_reduce_storage` stores: a copy per node, updated there
-    (its slots too), and on a cluster the origin on the chief."""
+    (its slots too), and on a cluster the origin on the chief (while the nodes start)."""
     return {node: StoredCopies(1 + (layout.multi_node and node == layout.chief), 1)
             for node in layout.replicas}
 
@@ -228,7 +229,8 @@ def create_all_reduce_storage(name: str, initial_value: tf.Tensor, ctx: KernelCo
     """This node's copy of the part, on its CPU, read by all its replicas.
 
     On a cluster every node's copy starts from an origin variable on the chief,
-    so they agree even when the initializer is random and unseeded.
+    so they agree even when the initializer is random and unseeded; the chief
+    drops it once every node has started (``Ownership.start_only``).
 
     Returns:
         (the copy, origin variable or None)

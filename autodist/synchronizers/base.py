@@ -83,11 +83,14 @@ class Ownership(NamedTuple):
         chief: variables the chief initializes (workers wait for them).
         derived: copies initialized from another variable, in a second phase.
         elsewhere: variables in this node's graph that another node initializes.
+        start_only: of ``chief``, those no node reads once every node has
+            initialized its copies (an origin); the chief then drops them.
     """
 
     chief: Sequence = ()
     derived: Sequence = ()
     elsewhere: Sequence = ()
+    start_only: Sequence = ()
 
 
 class NodeLayout(NamedTuple):

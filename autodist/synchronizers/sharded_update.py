@@ -201,7 +201,7 @@ class ShardedUpdateSynchronizer(SynchronizerKind):
             return Ownership(elsewhere=elsewhere)
         return Ownership(chief=[storage.origin],
                          derived=[*storage.copies, *(shards[index] for index in self._local)],
-                         elsewhere=elsewhere)
+                         elsewhere=elsewhere, start_only=[storage.origin])
 
     def synchronize(self, members: List[Member]) -> Reduced:
         ctx, out = self.ctx, Reduced()
