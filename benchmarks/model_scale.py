@@ -185,6 +185,7 @@ def run_fit(case: Case, width: int, optimizer: str, spec: Optional[str],
             self.ends.append(time.perf_counter() - self._started)
 
     x, y = _data(width)
+    begun = time.perf_counter()
     ad = _autodist(case, spec) if case.builder else None
     if case.nodes > 1:
         rows = _node_rows(case.nodes, ad.node_index)
@@ -196,7 +197,8 @@ def run_fit(case: Case, width: int, optimizer: str, spec: Optional[str],
     times = StepTimes(started)
     model.fit(x, y, batch_size=ROWS // case.nodes, epochs=1, shuffle=False, verbose=0,
               callbacks=[times])
-    figures = {"first_step": times.ends[0], "run": time.perf_counter() - started,
+    figures = {"build": started - begun, "first_step": times.ends[0],
+               "run": time.perf_counter() - started,
                "later": statistics.median(b - a for a, b in zip(times.ends, times.ends[1:])),
                "peak_rss_gb": _peak_rss_gb(), "node": ad.node_index if ad else 0}
     if ad is None or ad.is_chief:
@@ -208,9 +210,11 @@ def run_loop(case: Case, width: int, optimizer: str, spec: Optional[str],
              save: Optional[str]) -> dict:
     import tensorflow as tf
 
+    begun = time.perf_counter()
     ad = _autodist(case, spec) if case.builder else None
     with ad.scope() if ad else contextlib.nullcontext():
         model, opt = _keras_model(width, optimizer)
+    built = time.perf_counter() - begun
 
     def train_step(x, y):
         with tf.GradientTape() as tape:
@@ -230,7 +234,8 @@ def run_loop(case: Case, width: int, optimizer: str, spec: Optional[str],
     if ad:
         step.copy_to_model()
     copy = time.perf_counter() - begun
-    figures = {"first_step": calls[0], "later": statistics.median(calls[1:]), "copy": copy,
+    figures = {"build": built, "first_step": calls[0], "later": statistics.median(calls[1:]),
+               "copy": copy,
                "run": time.perf_counter() - started, "peak_rss_gb": _peak_rss_gb()}
     _save([v.numpy for v in model.weights], save)
     return figures
@@ -246,8 +251,9 @@ def run_graph(case: Case, width: int, optimizer: str, spec: Optional[str],
     import tensorflow as tf
     tf1 = tf.compat.v1
 
-    ad = _autodist(case, spec) if case.builder else None
     x_all, y_all = _data(width)
+    begun = time.perf_counter()
+    ad = _autodist(case, spec) if case.builder else None
     with tf.Graph().as_default(), ad.scope() if ad else contextlib.nullcontext():
         tf1.set_random_seed(SEED)
         x = tf1.placeholder(tf.float32, [None, width])
@@ -273,7 +279,8 @@ def run_graph(case: Case, width: int, optimizer: str, spec: Optional[str],
             rows = slice(batch * ROWS, (batch + 1) * ROWS)
             session.run(train_op, {x: x_all[rows], y: y_all[rows]})
             calls.append(time.perf_counter() - started - sum(calls))
-        figures = {"first_step": calls[0], "later": statistics.median(calls[1:]),
+        figures = {"build": started - begun, "first_step": calls[0],
+                   "later": statistics.median(calls[1:]),
                    "run": time.perf_counter() - started, "peak_rss_gb": _peak_rss_gb()}
         _save([lambda v=v: session.run(v) for v in variables], save)
     return figures
@@ -418,13 +425,16 @@ def _cell(row: dict, key: str, fmt: str) -> str:
 
 
 COLUMNS = {
-    "fit": (("first step", "first_step", "{:.1f} s"), ("fit", "run", "{:.1f} s"),
+    "fit": (("build", "build", "{:.1f} s"), ("first step", "first_step", "{:.1f} s"),
+            ("fit", "run", "{:.1f} s"),
             ("later steps", "later", "{:.2f} s"), ("peak RSS", "peak_rss_gb", "{:.2f} GB"),
             ("max abs diff", "max_abs_diff", "{:.1e}")),
-    "loop": (("first call", "first_step", "{:.1f} s"), ("later calls", "later", "{:.2f} s"),
+    "loop": (("build", "build", "{:.1f} s"), ("first call", "first_step", "{:.1f} s"),
+             ("later calls", "later", "{:.2f} s"),
              ("copy_to_model", "copy", "{:.2f} s"), ("loop", "run", "{:.1f} s"),
              ("peak RSS", "peak_rss_gb", "{:.2f} GB"), ("max abs diff", "max_abs_diff", "{:.1e}")),
-    "graph": (("first step", "first_step", "{:.1f} s"), ("8 steps", "run", "{:.1f} s"),
+    "graph": (("build", "build", "{:.1f} s"), ("first step", "first_step", "{:.1f} s"),
+              ("8 steps", "run", "{:.1f} s"),
               ("later steps", "later", "{:.2f} s"), ("peak RSS", "peak_rss_gb", "{:.2f} GB"),
               ("max abs diff", "max_abs_diff", "{:.1e}")),
 }
@@ -450,6 +460,12 @@ def table(rows: list, kind: str) -> str:
     return "\n".join(lines + ([""] + problems if problems else []))
 
 
+def _start_up(row: dict) -> float:
+    """From building the model to the end of its first step: Keras computes the initial
+    weights while it builds, AutoDist in its first step."""
+    return row["build"] + row["first_step"]
+
+
 def goals(rows: list) -> list:
     """(goal, result, met) for each goal over every size, with the worst case named."""
     autodist = [r for r in rows if r["case"].builder and _ok(r) and _ok(_reference(rows, r))]
@@ -466,6 +482,9 @@ def goals(rows: list) -> list:
     first = [(r["first_step"] - _reference(rows, r)["first_step"], r) for r in autodist]
     out.append((f"first step <= the reference's + {FIRST_STEP_ALLOWANCE_S:g} s",
                 *worst(first, lambda v: f"{v:+.1f} s", FIRST_STEP_ALLOWANCE_S)))
+    start = [(_start_up(r) - _start_up(_reference(rows, r)), r) for r in autodist]
+    out.append((f"build + first step <= the reference's + {FIRST_STEP_ALLOWANCE_S:g} s",
+                *worst(start, lambda v: f"{v:+.1f} s", FIRST_STEP_ALLOWANCE_S)))
     memory = [(r["peak_rss_gb"] - memory_bound_gb(rows, r), r) for r in autodist]
     out.append((f"peak RSS <= the reference's + one copy of the training state + "
                 f"{MEMORY_ALLOWANCE_GB * 1024:.0f} MB (every node)",

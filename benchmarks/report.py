@@ -59,6 +59,8 @@ SECTIONS = (
      "embedding-tables-step-time-and-memory-by-table-size-embeddings"),
     ("A table larger than one node (`table_over_node`)",
      "a-table-larger-than-one-node-table_over_node"),
+    ("Multi-input multi-output Keras model: step time (`keras_mimo`)",
+     "multi-input-multi-output-keras-model-step-time-keras_mimo"),
 )
 
 HEADER = "\n".join([
