@@ -206,8 +206,8 @@ def format_markdown(table: dict, args, command: str) -> str:
     if two and one:
         lines.append(f"- One replica: {_ms(one)} ms. A second replica on the same two cores "
                      f"adds {_ms(two - one)} ms: each replica runs both LSTM loops over its "
-                     "half of the batch, and a step of 16 rows costs an LSTM iteration about "
-                     "what one of 32 rows does (see [the note](notes/keras_mimo.md)).")
+                     "half of the batch, and an LSTM iteration over 16 rows costs about "
+                     "what one over 32 rows does (see [the note](notes/keras_mimo.md)).")
     lines.append(END)
     return "\n".join(lines)
 
