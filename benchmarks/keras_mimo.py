@@ -42,7 +42,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 
 import report
 
@@ -88,13 +87,6 @@ def _build():
     return model
 
 
-def _one_replica_spec() -> str:
-    path = os.path.join(tempfile.mkdtemp(prefix="keras_mimo."), "one_replica.yml")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("nodes:\n  - address: localhost\n    cpus: [0]\n    chief: true\n")
-    return path
-
-
 def run_job(system: str, epochs: int, warmup: int) -> dict:
     """Builds and fits the model under ``system`` in this process; the median step in s."""
     import time
@@ -124,7 +116,7 @@ def run_job(system: str, epochs: int, warmup: int) -> dict:
     else:
         from autodist import AutoDist
         from autodist.strategy import get_builder
-        spec = (_one_replica_spec() if system.endswith("1 replica")
+        spec = (report.one_replica_spec() if system.endswith("1 replica")
                 else os.path.join(report.REPO, "configs", "local_2cpu.yml"))
         with AutoDist(spec, get_builder("AllReduce")).scope():
             model = _build()

@@ -113,19 +113,12 @@ def width_for(megabytes: float) -> int:
 
 # --------------------------------------------------------------------------- one run
 
-def _one_replica_spec() -> str:
-    path = os.path.join(tempfile.mkdtemp(prefix="model_scale."), "one_replica.yml")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("nodes:\n  - address: localhost\n    cpus: [0]\n    chief: true\n")
-    return path
-
-
 def _autodist(case: Case, spec: Optional[str]):
     from autodist import AutoDist
     from autodist.strategy import get_builder
     if spec is None:
         spec = (os.path.join(report.REPO, "configs", "local_2cpu.yml") if case.replicas == 2
-                else _one_replica_spec())
+                else report.one_replica_spec())
     return AutoDist(spec, get_builder(case.builder))
 
 

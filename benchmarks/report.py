@@ -27,6 +27,14 @@ JOB_ENV = {
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def one_replica_spec() -> str:
+    """A resource spec file (in a new temporary directory): this machine, one CPU replica."""
+    path = os.path.join(tempfile.mkdtemp(prefix="autodist_bench."), "one_replica.yml")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("nodes:\n  - address: localhost\n    cpus: [0]\n    chief: true\n")
+    return path
+
+
 def use_job_environment() -> None:
     """Sets ``JOB_ENV`` (unless set) and puts the repository on ``sys.path``."""
     os.environ.update({k: os.environ.get(k, v) for k, v in JOB_ENV.items()})
