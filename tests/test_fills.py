@@ -2,13 +2,11 @@
 constant that the session keeps (``kernels/fills.py``)."""
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import tensorflow as tf
 
 from autodist.kernels import fills
+from test_initial_rows import run_memory_job
 
 tf1 = tf.compat.v1
 
@@ -60,13 +58,10 @@ def test_zero_started_variables_and_slots_are_held_once(spec_path, tmp_path):
     """A variable and Adam's two slots, all started at zeros, hold three copies after
     training; each zero start kept as a constant made that six."""
     rows = 2 ** 20  # 256 MiB of float32
-    script = tmp_path / "zero_started.py"
-    script.write_text(_ZERO_STARTED_JOB.replace("ROWS", str(rows)))
-    done = subprocess.run([sys.executable, str(script), spec_path], capture_output=True,
-                          text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-2000:]
-    growth = float(done.stdout.split("GROWTH")[1].split()[0])
+    printed = run_memory_job(_ZERO_STARTED_JOB.replace("ROWS", str(rows)), tmp_path, spec_path,
+                             timeout=240)
     copy_gib = rows * 64 * 4 / 2 ** 30
-    assert 2.7 * copy_gib < growth < 3.6 * copy_gib, (growth / copy_gib, "copies")
+    assert 2.7 * copy_gib < printed["GROWTH"] < 3.6 * copy_gib, (printed["GROWTH"] / copy_gib,
+                                                                  "copies")
     # Trained: three of Adam's steps of about the learning rate each, towards 1.
-    np.testing.assert_allclose(float(done.stdout.split("VALUE")[1]), 0.03, rtol=1e-3)
+    np.testing.assert_allclose(printed["VALUE"], 0.03, rtol=1e-3)

@@ -171,15 +171,23 @@ with tf.Graph().as_default(), ad.scope():
 """
 
 
+def run_memory_job(source: str, directory, spec_path: str, timeout: float) -> dict:
+    """Runs the job ``source`` (its own process, so that its memory is its own) on the
+    spec; returns what it printed as ``NAME value`` lines, name -> value."""
+    script = directory / "memory_job.py"
+    script.write_text(source)
+    done = subprocess.run([sys.executable, str(script), spec_path], capture_output=True,
+                          text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-2000:]
+    figures = (line.split(" ") for line in done.stdout.splitlines() if line.count(" ") == 1)
+    return {name: float(value) for name, value in figures if name.isupper()}
+
+
 def test_starting_a_table_costs_its_size_once(spec_path, tmp_path):
     """TensorFlow's older graph optimizer would evaluate a seeded random initial value
     before the run, and keep its bytes: a table's start cost twice its size."""
     rows = 2 ** 20  # 256 MiB of float32
-    script = tmp_path / "init_memory.py"
-    script.write_text(_INIT_MEMORY_JOB.replace("ROWS", str(rows)))
-    done = subprocess.run([sys.executable, str(script), spec_path], capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    growth = float(done.stdout.split("GROWTH")[1])
+    growth = run_memory_job(_INIT_MEMORY_JOB.replace("ROWS", str(rows)), tmp_path, spec_path,
+                            timeout=120)["GROWTH"]
     table_gib = rows * 64 * 4 / 2 ** 30
     assert table_gib * 0.9 < growth < table_gib * 1.4, (growth, table_gib)
