@@ -248,10 +248,16 @@ def test_a_bad_search_variable_is_named(monkeypatch, name, value, named):
     assert len(message) < 1000
 
 
-def test_trial_hooks_passed_to_autodist_capture_the_graph_and_end_the_job(tmp_path):
+def test_trial_hooks_passed_to_autodist_capture_the_graph_and_end_the_job(tmp_path,
+                                                                          monkeypatch):
     """No environment: the hooks are an argument, and the capture ends the process normally."""
     import tensorflow as tf
     from autodist import AutoDist
+    # A capture run ends with the search that started it. Here that would bind the test
+    # runner to its parent, and end it at once where that parent is gone (a run in the
+    # background): the binding is recorded instead.
+    bound = []
+    monkeypatch.setattr(runtime, "end_with_parent", bound.append)
     spec = tmp_path / "spec.yml"
     spec.write_text("nodes:\n  - address: localhost\n    cpus: [0, 1]\n    chief: true\n")
     hooks = trial.TrialHooks(capture=str(tmp_path / "captured.json"))
@@ -265,6 +271,7 @@ def test_trial_hooks_passed_to_autodist_capture_the_graph_and_end_the_job(tmp_pa
         with pytest.raises(trial.TrialFinished) as finished:
             ad.create_distributed_session()
     assert finished.value.code == 0
+    assert bound == [signal.SIGTERM]
     captured = json.loads((tmp_path / "captured.json").read_text())
     assert [v["name"] for v in captured["variables"]] == ["w"]
     assert captured["spec"] == str(spec)
