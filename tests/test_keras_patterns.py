@@ -617,10 +617,14 @@ print("went on after the save", flush=True)
 
 def _signalled_in_save(spec_path, path, signum: str, save_seconds: float, grace: str = ""):
     """Runs SIGNALLED_IN_SAVE; returns (the process's result, the saved weights)."""
+    # A process started in the background by a non-interactive shell ignores SIGINT, and
+    # its children inherit that: the job restores the default, so that Python raises
+    # KeyboardInterrupt as it does in a terminal.
     done = subprocess.run([sys.executable, "-c", SIGNALLED_IN_SAVE, spec_path, str(path),
                            signum, str(save_seconds)], capture_output=True, text=True,
                           timeout=90, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path),
-                                               AUTODIST_SAVE_GRACE_S=grace))
+                                               AUTODIST_SAVE_GRACE_S=grace),
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     # Keras files a layer's weights under its class's name.
     layer = type("SignalsInSave", (keras.layers.Dense,), {})(2)
     model = keras.Sequential([keras.Input((3,)), layer])
