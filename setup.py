@@ -17,6 +17,6 @@ setup(
     ],
     entry_points={"console_scripts": ["autodist=autodist.cli:main"]},
     extras_require={
-        "test": ["pytest", "pytest-timeout", "grpcio-tools>=1.85"],
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "grpcio-tools>=1.85"],
     },
 )

@@ -7,11 +7,30 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("AUTODIST_INTRA_OP_THREADS", "1")
 os.environ.setdefault("AUTODIST_INTER_OP_THREADS", "2")
 
+# pytest.ini runs the suite in two xdist workers. Each worker's one-node searches take
+# the machine-wide search lock of their own TensorFlow port (the multi-node jobs run in
+# their own network namespaces, where the port is theirs alone).
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER.startswith("gw") and _WORKER[2:].isdigit():
+    os.environ.setdefault("AUTODIST_TF_PORT", str(15470 + 10 * int(_WORKER[2:])))
+
 import pathlib  # noqa: E402
 
 import pytest  # noqa: E402
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(items) -> None:
+    """Gives the xdist workers whole files, so that a file's shared set-up (its module
+    fixtures and cached single-device runs) is made once; and keeps the tests on
+    emulated clusters in one worker, one at a time: they share the machine's namespaces
+    and look for their jobs' processes by name."""
+    for item in items:
+        group = ("emulated_clusters" if item.get_closest_marker("multinode")
+                 else item.nodeid.split("::")[0])
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture

@@ -183,6 +183,7 @@ def test_cli_down_refuses_a_bad_name_as_a_usage_error(capsys):
 
 # --- As root -------------------------------------------------------------------------------------
 
+@pytest.mark.multinode
 @needs_root
 @pytest.mark.timeout(120)
 def test_namespaces_addresses_and_hosts_files(cluster):
@@ -205,6 +206,7 @@ def test_namespaces_addresses_and_hosts_files(cluster):
     assert not macs & set(re.findall(r"link/ether ([0-9a-f:]{17})", root))
 
 
+@pytest.mark.multinode
 @needs_root
 @pytest.mark.skipif(shutil.which("ping") is None, reason="ping is not installed")
 @pytest.mark.timeout(120)
@@ -215,6 +217,7 @@ def test_hosts_ping_each_other_by_ip_and_name(cluster):
         assert result.returncode == 0, (src.name, target, result.stdout, result.stderr)
 
 
+@pytest.mark.multinode
 @needs_root
 @pytest.mark.timeout(120)
 def test_tcp_by_name_runs_at_the_link_rate(cluster):
@@ -226,6 +229,7 @@ def test_tcp_by_name_runs_at_the_link_rate(cluster):
     assert 80 <= mbit <= 105, mbit
 
 
+@pytest.mark.multinode
 @needs_root
 @pytest.mark.timeout(120)
 def test_heterogeneous_rates(cluster):
@@ -242,6 +246,7 @@ def test_heterogeneous_rates(cluster):
     assert 40 <= mbit <= 52.5, mbit
 
 
+@pytest.mark.multinode
 @needs_root
 @pytest.mark.timeout(120)
 def test_spec_of_a_live_cluster_loads(cluster, tmp_path):
@@ -257,6 +262,7 @@ def test_spec_of_a_live_cluster_loads(cluster, tmp_path):
     assert "10.123.0.2/24" in out
 
 
+@pytest.mark.multinode
 @needs_root
 @pytest.mark.timeout(120)
 def test_up_refuses_an_existing_cluster(cluster):
@@ -265,6 +271,7 @@ def test_up_refuses_an_existing_cluster(cluster):
     assert sorted(_our_namespaces()) == ["adtest-br", "adtest-h1", "adtest-h2", "adtest-h3"]
 
 
+@pytest.mark.multinode
 @needs_root
 @pytest.mark.timeout(120)
 def test_down_leaves_nothing_and_tolerates_missing_pieces():
@@ -281,6 +288,7 @@ def test_down_leaves_nothing_and_tolerates_missing_pieces():
         emulate.down(name)
 
 
+@pytest.mark.multinode
 @needs_root
 @pytest.mark.timeout(120)
 def test_latency_applies_or_fails_clearly():
@@ -299,6 +307,7 @@ def test_latency_applies_or_fails_clearly():
         emulate.down(name)
 
 
+@pytest.mark.multinode
 @needs_root
 @pytest.mark.timeout(120)
 def test_cli_up_and_down(tmp_path, capsys):
@@ -321,6 +330,7 @@ def test_cli_up_and_down(tmp_path, capsys):
     assert _our_namespaces(name) == [] and _our_etc_dirs(name) == []
 
 
+@pytest.mark.multinode
 @needs_root
 @pytest.mark.timeout(120)
 def test_python_m_autodist_cli_runs():
@@ -339,6 +349,7 @@ print("held", sys.argv[1], flush=True)
 """
 
 
+@pytest.mark.multinode
 @needs_root
 @pytest.mark.timeout(120)
 def test_a_memory_cap_holds_every_process_of_a_host_and_is_removed_by_down(tmp_path):

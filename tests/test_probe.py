@@ -154,6 +154,7 @@ def cluster():
         yield c
 
 
+@pytest.mark.multinode
 @needs_root
 @pytest.mark.timeout(180)
 def test_probe_measures_the_tc_rates(cluster, tmp_path, capsys):
@@ -176,6 +177,7 @@ def test_probe_measures_the_tc_rates(cluster, tmp_path, capsys):
         assert 0 < node["latency_ms"] < 20
 
 
+@pytest.mark.multinode
 @needs_root
 @pytest.mark.timeout(180)
 def test_a_node_whose_namespace_is_missing_is_named(cluster):
@@ -189,6 +191,7 @@ def test_a_node_whose_namespace_is_missing_is_named(cluster):
     assert time.monotonic() - start < 60
 
 
+@pytest.mark.multinode
 @needs_root
 @pytest.mark.timeout(180)
 def test_an_address_nobody_has_is_named(cluster):
