@@ -12,7 +12,9 @@ os.environ.setdefault("AUTODIST_INTER_OP_THREADS", "2")
 # their own network namespaces, where the port is theirs alone).
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _WORKER.startswith("gw") and _WORKER[2:].isdigit():
-    os.environ.setdefault("AUTODIST_TF_PORT", str(15470 + 10 * int(_WORKER[2:])))
+    from autodist.cluster import runtime  # noqa: E402  (after the settings above)
+    os.environ.setdefault(runtime.TF_PORT_ENV,
+                          str(runtime.DEFAULT_TF_PORT + 10 * int(_WORKER[2:])))
 
 import pathlib  # noqa: E402
 
