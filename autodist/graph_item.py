@@ -28,6 +28,9 @@ class VariableInfo:
         read_whole: whether an op of the model reads its whole value; False
             when it only gathers rows of it (``VariableReads``), so that a
             step reads the rows it touches wherever the variable is stored.
+        needs_stitching: whether an op reads its whole value as one tensor;
+            False when it only gathers rows of it or multiplies by it, so that
+            a partitioned variable needs no stitched copy.
         updates_rows: whether the optimizer's update writes only the rows its
             sparse gradient names (a scatter, as SGD's; Adam's writes every
             row), so that a copy of the variable stays in step by those rows.
@@ -47,6 +50,7 @@ class VariableInfo:
     has_grad: bool = True
     ready_rank: int = 0
     read_whole: bool = False
+    needs_stitching: bool = False
     updates_rows: bool = False
     rows_gathered: int = 0
     rows_gathered_per_example: int = 1
@@ -123,20 +127,42 @@ class RowGather:
 
 
 @dataclasses.dataclass(frozen=True)
+class PartProduct:
+    """A matrix product with a trainable variable's whole value as one factor.
+
+    ``MatMul(a, ReadVariableOp(variable))``, ``MatMul(ReadVariableOp(variable), b)``
+    or ``BatchMatMulV2`` of the same, either factor transposed: a partitioned
+    variable's product can be summed or joined from products with its parts,
+    with no op holding the whole value (``partitioner.PartProducts``).
+
+    Attributes:
+        matmul: the product's op.
+        read: the ``ReadVariableOp`` it multiplies by.
+        factor: which of its inputs the variable is (0 or 1).
+    """
+
+    matmul: str
+    read: str
+    factor: int
+
+
+@dataclasses.dataclass(frozen=True)
 class VariableReads:
     """How the replicated graph reads one trainable variable.
 
     Attributes:
         gathers: its ``RowGather`` reads.
+        products: its ``PartProduct`` reads.
         unused: ``ReadVariableOp`` s whose value no op uses; only control edges
             wait for them (a traced step's ordering of reads before writes).
-        whole: whether some other op reads its whole value (a matmul, a loop
-            taking its handle).
-        waiting: op name -> the ops of ``gathers`` and ``unused`` it has control
-            edges on.
+        whole: whether some other op reads its whole value in one tensor (a
+            loop taking its handle, an elementwise op).
+        waiting: op name -> the ops of ``gathers``, ``products`` and ``unused``
+            it has control edges on.
     """
 
     gathers: tuple = ()
+    products: tuple = ()
     unused: tuple = ()
     whole: bool = False
     waiting: dict = dataclasses.field(default_factory=dict)
@@ -314,7 +340,9 @@ class GraphItem:
                              v.op.name, GradientRef("")).synchronized_sparse,
                          has_grad=v.op.name in self.gradients,
                          ready_rank=ranks.get(v.op.name, 0),
-                         read_whole=self.reads[v.op.name].whole,
+                         read_whole=(self.reads[v.op.name].whole
+                                     or bool(self.reads[v.op.name].products)),
+                         needs_stitching=self.reads[v.op.name].whole,
                          updates_rows=v.op.name in updates_rows,
                          slot_bytes=slot_bytes.get(v.op.name, 0),
                          **self._rows_gathered(self.reads[v.op.name]))
@@ -365,25 +393,49 @@ class GraphItem:
                 users.setdefault(op_name(inp), []).append(node)
         reads = {}
         for name in self.variables:
-            gathers, unused, whole = [], [], bool(control.get(name))
+            gathers, products, unused = [], [], []
+            whole = bool(control.get(name))
             for user in data.get(name, []):
                 if user.op == "ResourceGather" and not _batch_dims(user):
                     gathers.append(RowGather(user.name))
                 elif user.op == "ReadVariableOp" and not data.get(user.name):
                     unused.append(user.name)
                 elif user.op == "ReadVariableOp" and all(
-                        _gathers_rows(nodes, g, user.name) for g in data[user.name]):
-                    gathers.extend(RowGather(g.name, user.name) for g in data[user.name])
+                        _gathers_rows(nodes, r, user.name)
+                        or self._factor_of(r, user.name) is not None
+                        for r in data[user.name]):
+                    for reader in data[user.name]:
+                        factor = self._factor_of(reader, user.name)
+                        if factor is not None:
+                            products.append(PartProduct(reader.name, user.name, factor))
+                        else:
+                            gathers.append(RowGather(reader.name, user.name))
                 else:
                     whole = True
-            waited = {g.gather for g in gathers} | {g.read for g in gathers if g.read} | set(unused)
+            waited = ({g.gather for g in gathers} | {g.read for g in gathers if g.read}
+                      | {p.matmul for p in products} | {p.read for p in products} | set(unused))
             waiting = {}
             for op in sorted(waited):
                 for node in control.get(op, []):
                     waiting.setdefault(node.name, []).append(op)
-            reads[name] = VariableReads(tuple(gathers), tuple(unused), whole,
+            reads[name] = VariableReads(tuple(gathers), tuple(products), tuple(unused), whole,
                                         {k: tuple(v) for k, v in waiting.items()})
         return reads
+
+    def _factor_of(self, node, read: str) -> Optional[int]:
+        """Which factor of ``node`` ``read`` (a matrix) is, if ``node`` is a matrix
+        product with it as one factor only, the other of known rank (a product with
+        parts slices it); else None."""
+        if node.op not in _PRODUCTS:
+            return None
+        inputs = [op_name(i) for i in node.input if not i.startswith("^")][:2]
+        if inputs.count(read) != 1:
+            return None
+        factor = inputs.index(read)
+        factors = self.graph.get_operation_by_name(node.name).inputs
+        if factors[factor].shape.rank != 2 or factors[1 - factor].shape.rank is None:
+            return None
+        return factor
 
     def _rows_gathered(self, reads: "VariableReads") -> Dict[str, int]:
         """``VariableInfo``'s row counts, from the static shapes of a variable's gathered ids.
@@ -644,6 +696,7 @@ def _is_batched(node) -> bool:
 
 
 # A traced tf.while_loop or tf.cond: ops running functions of the graph's library.
+_PRODUCTS = ("MatMul", "BatchMatMulV2")
 FUNCTIONAL_CONTROL_FLOW = ("While", "StatelessWhile", "If", "StatelessIf", "Case",
                            "StatelessCase")
 # Ops writing a resource variable's value (the first input is the variable).

@@ -162,13 +162,14 @@ def partitionable(optimizer_fn: OptimizerFn, seed: int = 0) -> Model:
 
 
 def gathered(optimizer_fn: OptimizerFn, seed: int = 0) -> Model:
-    """Tables read by row gathers: ``table`` only so, ``tied`` also whole.
+    """Tables read by row gathers: ``table`` only so, ``tied`` also multiplied by.
 
     ``table`` [13, 4] (13 rows part unevenly) is looked up by ids of shape [B, 2]
     with ``tf.nn.embedding_lookup``; ``tied`` [9, 4] is gathered with
-    ``tf.gather`` and multiplied whole, as a language model ties its input and
-    output embeddings. The ids repeat within each half and quarter of the batch
-    and across them.
+    ``tf.gather`` and multiplied by (transposed), as a language model ties its
+    input and output embeddings; ``out`` [13, 2] is multiplied by and read whole
+    by a penalty on its squares. The ids repeat within each half and quarter of
+    the batch and across them.
     """
     tf1.set_random_seed(seed)
     rng = np.random.RandomState(seed)
@@ -181,7 +182,7 @@ def gathered(optimizer_fn: OptimizerFn, seed: int = 0) -> Model:
     pooled = tf.reduce_sum(tf.nn.embedding_lookup(table, ids), axis=1)
     hidden = tf.tanh(pooled + tf.gather(tied, ids[:, 0] % 9))
     logits = tf.matmul(tf.concat([hidden, tf.matmul(x, tied, transpose_b=True)], 1), out)
-    loss = tf.reduce_mean(tf.square(logits - y))
+    loss = tf.reduce_mean(tf.square(logits - y)) + 0.01 * tf.reduce_sum(tf.square(out))
     feeds = {ids: np.array([[1, 12], [1, 1], [5, 0], [12, 3],
                             [5, 7], [12, 12], [0, 1], [3, 5]], dtype=np.int32),
              x: rng.randn(BATCH_SIZE, 4).astype(np.float32),

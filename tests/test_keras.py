@@ -158,6 +158,15 @@ def replica_ops(graph: tf.Graph, pattern: str) -> dict:
     return found
 
 
+def forward_products(graph: tf.Graph, layer: str) -> dict:
+    """Replica index -> the op computing ``layer``'s product with its kernel: its
+    MatMul, or, for a partitioned kernel multiplied part by part, the op adding up
+    (or joining) the parts' products."""
+    found = replica_ops(graph, rf"(^|/){layer}[^/]*/MatMul(/where_stored/(AddN|concat))?$")
+    return {r: [op for op in ops if "where_stored" in op.name] or ops
+            for r, ops in found.items()}
+
+
 # ----------------------------------------------------------------------------- 1. fit
 
 FIT_CASES = ([("mlp", b) for b in BUILDERS]
@@ -289,7 +298,7 @@ def test_fit_with_more_keras_optimizers_matches_single_device(spec_path, optimiz
     # for the forward pass, as in the traced step: else it races the replicas' reads.
     # (An all-reduce joins the other replicas at run time, not by graph edges.)
     graph = model._autodist_fit.step.session.distributed.graph
-    forward = {ops[0].name for ops in replica_ops(graph, r"(^|/)hidden[^/]*/MatMul$").values()}
+    forward = {ops[0].name for ops in forward_products(graph, "hidden").values()}
     writes = [op for op in graph.get_operations()
               if op.name.startswith("keras_update/") and op.type in RESOURCE_WRITES]
     assert len(forward) == 2 and writes
@@ -431,7 +440,7 @@ def test_each_replica_computes_its_share_of_the_batch(request, way, builder, spe
     # The model's input: the batched placeholder shaped like x's rows.
     (x_name,) = [n for n in item.batched_inputs
                  if graph.get_tensor_by_name(f"{n}:0").shape[1:] == x.shape[1:]]
-    matmuls = replica_ops(graph, r"(^|/)hidden[^/]*/MatMul$")
+    matmuls = forward_products(graph, "hidden")
     assert sorted(matmuls) == list(range(replicas))
     assert all(len(ops) == 1 for ops in matmuls.values()), matmuls
     ops = [matmuls[r][0] for r in range(replicas)]

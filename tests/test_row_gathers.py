@@ -79,11 +79,32 @@ def test_gathers_read_the_parts_and_train_as_on_one_device(spec_path, builder, p
             "AutoDist-Replica-0", "AutoDist-Replica-1"], (part, gathers)
         assert graph.get_operation_by_name(readers[0]).device == \
             graph.get_operation_by_name(part).device
-    # Only the table something reads whole has a full-size (stitched) copy.
-    assert not [n for n in stored if n.startswith("AutoDist-Replica") and "table/stitched" in n]
-    # One, which both CPU replicas read: they share the host's memory.
-    assert len([n for n in stored if n.endswith("tied/stitched")]) == 1
+    # Only the variable something reads whole as one tensor (the penalty on ``out``)
+    # has a full-size (stitched) copy. One, which both CPU replicas read: they share
+    # the host's memory.
+    stitched = [n for n in stored if n.endswith("/stitched")]
+    assert len(stitched) == 1 and stitched[0].endswith("/out/stitched"), stitched
     assert any("tied/part_" in p for p in gathers)
+    # Each replica multiplies by every part of ``tied``, read where it is stored.
+    products = products_by_variable(graph)
+    tied_parts = sorted(n for n in stored if re.fullmatch(r"tied/part_\d+", n))
+    assert len(tied_parts) == parts
+    for part in tied_parts:
+        assert {p.split("/")[0] for p in products[part]} == {
+            "AutoDist-Replica-0", "AutoDist-Replica-1"}, (part, products)
+
+
+def products_by_variable(graph: tf.Graph) -> dict:
+    """Variable op name -> names of the matrix products multiplying by its value."""
+    found = {}
+    for op in graph.get_operations():
+        if op.type not in ("MatMul", "BatchMatMulV2"):
+            continue
+        source = op.inputs[1].op
+        while source.type in ("Identity", "ReadVariableOp"):
+            source = source.inputs[0].op
+        found.setdefault(source.name, []).append(op.name)
+    return found
 
 
 def step_tensor_bytes(spec: str, builder, rows: int) -> tuple:
@@ -187,5 +208,9 @@ def test_keras_embedding_of_a_partitioned_table_fits_as_on_one_device(spec_path,
     assert {"tokens/embeddings/part_0", "tokens/embeddings/part_1"} <= stored
     assert all(len([g for g in gathers.get(f"tokens/embeddings/part_{i}", [])
                     if "where_stored" in g]) == 2 for i in (0, 1)), gathers
-    stitched = [n for n in stored if n.endswith("tokens/embeddings/stitched")]
-    assert len(stitched) == (1 if tied else 0), stitched  # both CPU replicas read it
+    # Multiplied by (tied), the table is read part by part: no stitched copy.
+    assert not [n for n in stored if n.endswith("/stitched")]
+    products = products_by_variable(graph)
+    assert all({p.split("/")[0] for p in products.get(f"tokens/embeddings/part_{i}", [])}
+               == ({"AutoDist-Replica-0", "AutoDist-Replica-1"} if tied else set())
+               for i in (0, 1)), products

@@ -2,7 +2,8 @@
 
 The arithmetic (which rows each part holds) is :mod:`autodist.partition`'s;
 this module cuts and stitches tensors by it. A gather of some rows of the
-variable asks the parts for them (``gather_rows``); other consumers read the
+variable asks the parts for them (``gather_rows``), a product with the
+variable multiplies by each part (``PartProducts``); other consumers read the
 re-stitched value. Each part gets its own slice of the gradient and its own
 optimizer update.
 """
@@ -69,6 +70,63 @@ def pieces(plan: Optional[PartitionPlan], shape: Sequence[int], max_rows: int) -
              (slice(offset + begin, offset + min(size, begin + max_rows)),) + rest)
             for part, (offset, size) in enumerate(zip(starts, sizes))
             for begin in range(0, size, max_rows)]
+
+
+class PartProducts:
+    """Products with a partitioned rank-2 variable as one replica computes them.
+
+    No op holds the whole variable: each part is read once, where it is stored,
+    and every product of the replica multiplies by those reads (one value of
+    the variable per step, as the single-device graph's one read gives). Parts
+    cut along the summed axis multiply their slice of the first factor and the
+    products add up; parts cut along the output's columns each give their
+    columns.
+    """
+
+    def __init__(self, parts: list, plan: PartitionPlan):
+        """
+        Args:
+            parts: each part's variable as this replica reads it.
+        """
+        self._parts, self._plan = parts, plan
+        self._values: list = []
+
+    @property
+    def reads(self) -> list:
+        """The ops reading the parts (none before the first product)."""
+        return [value.op for value in self._values]
+
+    def matmul(self, other: tf.Tensor, factor: int, transpose_a: bool,
+               transpose_b: bool) -> tf.Tensor:
+        """``tf.linalg.matmul`` of the variable and ``other``, on the current device.
+
+        Args:
+            other: the other factor, of rank 2 or more (a batch of matrices).
+            factor: the variable's place among the factors: 0 (first) or 1.
+            transpose_a, transpose_b: as ``tf.linalg.matmul`` takes them.
+        """
+        if not self._values:
+            self._values = [part.read_value() for part in self._parts]
+        plan, rank = self._plan, other.shape.rank
+        transposed = (transpose_a, transpose_b)
+        # The variable's axis the product sums over (a matrix's columns when it is
+        # the first factor, its rows when the second), and the other factor's.
+        summed = (1 - factor) if not transposed[factor] else factor
+        other_summed = (rank - 2 + factor) if not transposed[1 - factor] else (rank - 1 - factor)
+        products = []
+        for value, offset, size in zip(self._values, plan.offsets, plan.sizes):
+            piece = other
+            if plan.axis == summed:
+                begin, length = [0] * rank, [-1] * rank
+                begin[other_summed], length[other_summed] = offset, size
+                piece = tf.slice(other, begin, length)
+            pair = (value, piece) if factor == 0 else (piece, value)
+            products.append(tf.linalg.matmul(*pair, transpose_a=transpose_a,
+                                             transpose_b=transpose_b))
+        if plan.axis == summed:
+            return tf.add_n(products)
+        # Parts cut along the output's rows (first factor) or columns (second).
+        return tf.concat(products, axis=-2 if factor == 0 else -1)
 
 
 def stitch(parts: list, plan: PartitionPlan) -> tf.Tensor:

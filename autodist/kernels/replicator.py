@@ -94,8 +94,9 @@ class Replicas:
     Attributes:
         state_writes: the ops writing the merged assigns, to run with every
             training step.
-        row_reads: variable name -> per replica, the ops gathering its rows
-            where they are stored (see ``gather_rows_where_stored``).
+        row_reads: variable name -> per replica, the ops reading it where it
+            is stored: gathers of its rows, reads of its parts (see
+            ``read_where_stored``).
     """
 
     state_writes: list
@@ -103,7 +104,7 @@ class Replicas:
 
 
 def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
-              gather_rows: dict, deferred: list) -> Replicas:
+              gather_rows: dict, part_products: dict, deferred: list) -> Replicas:
     """Imports one copy of the replicated ops per replica into the default graph.
 
     State that the forward pass assigns to a shared (non-trainable) variable
@@ -124,6 +125,9 @@ def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
         gather_rows: trainable variable name -> ``f(replica, ids)``, the rows
             ``ids`` of its stored copies as the replica reads them; for the
             variables some gather reads (``GraphItem.reads``).
+        part_products: trainable variable name -> ``f(replica)``, a
+            ``partitioner.PartProducts`` of its parts as the replica reads them;
+            for the partitioned variables read whole only by products.
         deferred: receives (node name in the new graph, source name) control
             edges to reconnect.
     """
@@ -135,7 +139,7 @@ def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
     graph_def = subgraph_def(item, item.replicated, external, local_deferred, with_library=False)
     merged = _defer_shared_assigns(item, graph_def)
     assigned = {name: [] for name in merged}
-    row_reads = {name: [] for name in gather_rows}
+    row_reads = {name: [] for name in {**gather_rows, **part_products}}
     copied = {node.name for node in graph_def.node}
     salt = _salt_random_keys(graph_def)
     for replica in range(ctx.num_replicas):
@@ -165,9 +169,12 @@ def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
             _keep_functional(node)
         _tf_compat.import_graph_def(graph_def, input_map, scope)
         with tf.device(device):
-            for name, gather in gather_rows.items():
-                row_reads[name].append(gather_rows_where_stored(
-                    item.reads[name], scope, functools.partial(gather, replica)))
+            for name in row_reads:
+                gather = gather_rows.get(name)
+                products = part_products.get(name)
+                row_reads[name].append(read_where_stored(
+                    item.reads[name], scope, gather and functools.partial(gather, replica),
+                    products and products(replica)))
         deferred.extend((f"{scope}/{node}", source) for node, source in local_deferred)
         for name, merge in merged.items():
             source = merge.delta or f"{name}:0"
@@ -198,37 +205,57 @@ def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
     return Replicas(writes, row_reads)
 
 
-def gather_rows_where_stored(reads: VariableReads, scope: str, gather) -> list:
-    """Points one replica's gathers of a variable at ``gather(ids)``, which reads
-    the rows where they are stored: a partitioned variable's parts, a parameter
-    server's variable. No op of the replica then reads the variable whole for them.
+def read_where_stored(reads: VariableReads, scope: str, gather, products) -> list:
+    """Points one replica's reads of a variable at where it is stored: a partitioned
+    variable's parts, a parameter server's variable. No op of the replica then
+    reads the variable whole for them.
 
-    Ops that waited for a replaced gather or read wait for the new gathers;
-    edges to a read whose value nothing uses are dropped.
+    Ops that waited for a replaced read wait for what replaced it; edges to a
+    read whose value nothing uses are dropped.
+
+    Args:
+        gather: ``f(ids)``, the rows ``ids`` read where they are stored, for
+            the replica's gathers; None leaves them.
+        products: a ``partitioner.PartProducts`` for the replica's products
+            with the variable; None leaves them.
 
     Returns:
-        the new gathers' ops.
+        the new ops reading the variable (gathers, reads of parts).
     """
     graph = tf.compat.v1.get_default_graph()
     instead = {name: [] for name in reads.unused}  # original op -> what to wait for instead
-    new = []
-    for site in reads.gathers:
+    sites = []  # (an op replaced, its replacement, the original ops it stands for)
+    # A read that a product left as it is also uses stays, with its gathers.
+    kept = set() if products else {site.read for site in reads.products}
+    for site in reads.gathers if gather else ():
+        if site.read in kept:
+            continue
         old = graph.get_operation_by_name(f"{scope}/{site.gather}")
         with tf.name_scope(f"{scope}/{site.gather}/where_stored/"):
-            rows = gather(old.inputs[1])
-        rows.set_shape(old.outputs[0].shape)
-        new.append(rows.op)
+            sites.append((old, gather(old.inputs[1]), (site.gather, site.read)))
+    for site in reads.products if products else ():
+        old = graph.get_operation_by_name(f"{scope}/{site.matmul}")
+        transposes = (("transpose_a", "transpose_b") if old.type == "MatMul"
+                      else ("adj_x", "adj_y"))
+        with tf.name_scope(f"{scope}/{site.matmul}/where_stored/"):
+            sites.append((old, products.matmul(old.inputs[1 - site.factor], site.factor,
+                                               *map(old.get_attr, transposes)),
+                          (site.matmul, site.read)))
+    new = [value.op for _, value, _ in sites] + (products.reads if products else [])
+    for old, value, replaced in sites:
+        value.set_shape(old.outputs[0].shape)
         for consumer in old.outputs[0].consumers():
             for index, tensor in enumerate(consumer.inputs):
                 if tensor.name == old.outputs[0].name:
-                    _tf_compat.replace_input(consumer, index, rows)
-        for name in filter(None, (site.gather, site.read)):
-            instead.setdefault(name, []).append(rows.op)
+                    _tf_compat.replace_input(consumer, index, value)
+        for name in filter(None, replaced):
+            instead.setdefault(name, []).append(value.op)
     for waiter, ops in reads.waiting.items():
+        replaced = [op for op in ops if op in instead]
         _tf_compat.replace_control_inputs(
             graph.get_operation_by_name(f"{scope}/{waiter}"),
-            [graph.get_operation_by_name(f"{scope}/{op}") for op in ops],
-            [replacement for op in ops for replacement in instead[op]])
+            [graph.get_operation_by_name(f"{scope}/{op}") for op in replaced],
+            [replacement for op in replaced for replacement in instead[op]])
     return new
 
 

@@ -6,11 +6,13 @@ The stages, each owned by one kernel module:
 2. storage (partitioner + synchronizer kinds)
                                  each variable part stored as its kind says;
                                  partitioned variables that some op reads whole
-                                 re-stitched once per node for its CPU replicas
+                                 (other than gathers and products) re-stitched
+                                 once per node for its CPU replicas
 3. replicator.replicate          the model once per local replica, its gathers
                                  of a variable's rows reading them where they
-                                 are stored; state the forward pass assigns
-                                 merged into one write
+                                 are stored, its products with a partitioned
+                                 variable multiplying by the parts; state the
+                                 forward pass assigns merged into one write
 4. accumulator, synchronizer kinds, gradient_processing
                                  gradients weighted by each replica's rows (and
                                  accumulated over runs), cut per part, reduced
@@ -72,6 +74,11 @@ class VariableStorage:
             return tf.raw_ops.ResourceGather(resource=handle, indices=ids,
                                              dtype=tf.as_dtype(self.compiled.info.dtype))
 
+    def part_products(self, replica: int) -> partitioner.PartProducts:
+        """Products with the partitioned variable as replica ``replica`` computes them."""
+        return partitioner.PartProducts([p.readers[replica] for p in self.parts],
+                                        self.compiled.plan)
+
     def initializer(self) -> tf.Operation:
         """Initializes every stored copy of the variable on this node."""
         return tf.group(*[v.initializer for p in self.parts
@@ -108,8 +115,8 @@ class DistributedGraph:
     waits until ``chief_uninitialized`` (names of the chief's variables not yet
     initialized) is empty. Both phases feed ``initial_values`` (placeholder name
     -> a function returning its value): the starting values held outside the graph.
-    ``row_reads`` (variable name -> per replica, the ops gathering its rows where
-    they are stored) come before the variable's update. On the chief of a cluster,
+    ``row_reads`` (variable name -> per replica, the ops reading it where it is
+    stored: gathers of its rows, reads of its parts) come before the variable's update. On the chief of a cluster,
     ``release_after_start`` drops the ``start_only`` variables (the origins every
     node's copies start from), to run once every node has initialized.
     """
@@ -164,6 +171,9 @@ def transform(item: GraphItem, compiled: CompiledStrategy, ctx: KernelContext) -
         replicas = replicator.replicate(
             item, ctx, {n: s.handles for n, s in result.storage.items()},
             {n: s.gather_rows for n, s in result.storage.items() if item.reads[n].gathers},
+            {n: s.part_products for n, s in result.storage.items()
+             if s.compiled.plan is not None and item.reads[n].products
+             and not item.reads[n].whole},
             deferred)
         result.row_reads, state_writes = replicas.row_reads, replicas.state_writes
         for index, synchronizers in enumerate(per_call):
@@ -381,11 +391,11 @@ def _scaled(gradient, weight: tf.Tensor):
 
 
 def _replica_gradient(result: DistributedGraph, ref, replica: int, shape: tuple, reads: list):
-    """The replica's gradient of a variable, once its reads of the variable's rows are done.
+    """The replica's gradient of a variable, once its reads of the variable are done.
 
     Args:
-        reads: the replica's gathers of the variable's rows where they are
-            stored, which the update must not overtake.
+        reads: the replica's reads of the variable where it is stored (gathers
+            of its rows, reads of its parts), which the update must not overtake.
     """
     values = result.replica_element(ref.values, replica)
     if reads:

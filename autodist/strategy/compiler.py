@@ -144,7 +144,7 @@ def stored_bytes(compiled: CompiledStrategy, resource_spec: ResourceSpec) -> Dic
                 held = out[address]
                 held[info.name] = (held.get(info.name, 0) + copies.values * value_bytes
                                    + copies.slots * slot_bytes)
-        if variable.plan is not None and info.read_whole:
+        if variable.plan is not None and info.needs_stitching:
             # Stitched from its parts where CPU replicas read it whole: once per node.
             for address, cpu_replicas in layout.cpu_replicas.items():
                 if cpu_replicas:
