@@ -695,8 +695,9 @@ def _is_batched(node) -> bool:
     return not shape.unknown_rank and len(shape.dim) >= 1 and shape.dim[0].size == -1
 
 
-# A traced tf.while_loop or tf.cond: ops running functions of the graph's library.
+# Matrix products a partitioned factor can be cut out of (``PartProduct``).
 _PRODUCTS = ("MatMul", "BatchMatMulV2")
+# A traced tf.while_loop or tf.cond: ops running functions of the graph's library.
 FUNCTIONAL_CONTROL_FLOW = ("While", "StatelessWhile", "If", "StatelessIf", "Case",
                            "StatelessCase")
 # Ops writing a resource variable's value (the first input is the variable).

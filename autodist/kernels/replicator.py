@@ -225,7 +225,7 @@ def read_where_stored(reads: VariableReads, scope: str, gather, products) -> lis
     graph = tf.compat.v1.get_default_graph()
     instead = {name: [] for name in reads.unused}  # original op -> what to wait for instead
     sites = []  # (an op replaced, its replacement, the original ops it stands for)
-    # A read that a product left as it is also uses stays, with its gathers.
+    # Products left as they are keep their reads, and so do gathers sharing those.
     kept = set() if products else {site.read for site in reads.products}
     for site in reads.gathers if gather else ():
         if site.read in kept:

@@ -116,9 +116,10 @@ class DistributedGraph:
     initialized) is empty. Both phases feed ``initial_values`` (placeholder name
     -> a function returning its value): the starting values held outside the graph.
     ``row_reads`` (variable name -> per replica, the ops reading it where it is
-    stored: gathers of its rows, reads of its parts) come before the variable's update. On the chief of a cluster,
-    ``release_after_start`` drops the ``start_only`` variables (the origins every
-    node's copies start from), to run once every node has initialized.
+    stored: gathers of its rows, reads of its parts) come before the variable's
+    update. On the chief of a cluster, ``release_after_start`` drops the
+    ``start_only`` variables (the origins every node's copies start from), to run
+    once every node has initialized.
     """
 
     graph: tf.Graph
