@@ -400,16 +400,18 @@ class GraphItem:
                     gathers.append(RowGather(user.name))
                 elif user.op == "ReadVariableOp" and not data.get(user.name):
                     unused.append(user.name)
-                elif user.op == "ReadVariableOp" and all(
-                        _gathers_rows(nodes, r, user.name)
-                        or self._factor_of(r, user.name) is not None
-                        for r in data[user.name]):
-                    for reader in data[user.name]:
-                        factor = self._factor_of(reader, user.name)
-                        if factor is not None:
-                            products.append(PartProduct(reader.name, user.name, factor))
-                        else:
-                            gathers.append(RowGather(reader.name, user.name))
+                elif user.op == "ReadVariableOp":
+                    readers = data[user.name]
+                    factors = [self._factor_of(r, user.name) for r in readers]
+                    if all(f is not None or _gathers_rows(nodes, r, user.name)
+                           for r, f in zip(readers, factors)):
+                        for reader, factor in zip(readers, factors):
+                            if factor is not None:
+                                products.append(PartProduct(reader.name, user.name, factor))
+                            else:
+                                gathers.append(RowGather(reader.name, user.name))
+                    else:
+                        whole = True
                 else:
                     whole = True
             waited = ({g.gather for g in gathers} | {g.read for g in gathers if g.read}

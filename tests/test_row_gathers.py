@@ -44,13 +44,28 @@ def gathers_by_variable(graph: tf.Graph) -> dict:
     """Variable op name -> names of the ResourceGather ops reading it (through any Identity)."""
     found = {}
     for op in graph.get_operations():
-        if op.type != "ResourceGather":
-            continue
-        source = op.inputs[0].op
-        while source.type == "Identity":
-            source = source.inputs[0].op
-        found.setdefault(source.name, []).append(op.name)
+        if op.type == "ResourceGather":
+            found.setdefault(_source(op.inputs[0]).name, []).append(op.name)
     return found
+
+
+def products_by_variable(graph: tf.Graph) -> dict:
+    """Variable op name -> names of the matrix products multiplying by its value
+    (as either factor)."""
+    found = {}
+    for op in graph.get_operations():
+        if op.type in ("MatMul", "BatchMatMulV2"):
+            for source in {_source(factor).name for factor in op.inputs[:2]}:
+                found.setdefault(source, []).append(op.name)
+    return found
+
+
+def _source(tensor: tf.Tensor) -> tf.Operation:
+    """The op a tensor comes from, through reads of a variable and identities."""
+    source = tensor.op
+    while source.type in ("Identity", "ReadVariableOp"):
+        source = source.inputs[0].op
+    return source
 
 
 def variable_names(graph: tf.Graph) -> set:
@@ -92,19 +107,6 @@ def test_gathers_read_the_parts_and_train_as_on_one_device(spec_path, builder, p
     for part in tied_parts:
         assert {p.split("/")[0] for p in products[part]} == {
             "AutoDist-Replica-0", "AutoDist-Replica-1"}, (part, products)
-
-
-def products_by_variable(graph: tf.Graph) -> dict:
-    """Variable op name -> names of the matrix products multiplying by its value."""
-    found = {}
-    for op in graph.get_operations():
-        if op.type not in ("MatMul", "BatchMatMulV2"):
-            continue
-        source = op.inputs[1].op
-        while source.type in ("Identity", "ReadVariableOp"):
-            source = source.inputs[0].op
-        found.setdefault(source.name, []).append(op.name)
-    return found
 
 
 def step_tensor_bytes(spec: str, builder, rows: int) -> tuple:

@@ -173,8 +173,7 @@ def transform(item: GraphItem, compiled: CompiledStrategy, ctx: KernelContext) -
             item, ctx, {n: s.handles for n, s in result.storage.items()},
             {n: s.gather_rows for n, s in result.storage.items() if item.reads[n].gathers},
             {n: s.part_products for n, s in result.storage.items()
-             if s.compiled.plan is not None and item.reads[n].products
-             and not item.reads[n].whole},
+             if _read_by_parts(item, s.compiled) and item.reads[n].products},
             deferred)
         result.row_reads, state_writes = replicas.row_reads, replicas.state_writes
         for index, synchronizers in enumerate(per_call):
@@ -260,7 +259,7 @@ def _create_storage(item: GraphItem, variable: CompiledVariable, ctx: KernelCont
     stitched_on_host = None  # the CPU replicas' one stitched copy, made at first need
     for replica in range(ctx.num_replicas):
         readers = [p.readers[replica] for p in parts]
-        if variable.plan is not None and not item.reads[variable.info.name].whole:
+        if _read_by_parts(item, variable):
             handles.append(_unbacked_handle(variable, replica, ctx))
         elif variable.plan is not None:
             def stitch(r=readers):
@@ -284,6 +283,12 @@ def _create_storage(item: GraphItem, variable: CompiledVariable, ctx: KernelCont
         else:
             handles.append(readers[0].handle)
     return VariableStorage(variable, parts, handles, ctx.shared_device)
+
+
+def _read_by_parts(item: GraphItem, variable: CompiledVariable) -> bool:
+    """Whether every read of a variable goes to its parts (gathers of rows, products),
+    so that no op needs its whole value in one tensor."""
+    return variable.plan is not None and not item.reads[variable.info.name].whole
 
 
 def _replica_copy_handle(variable: CompiledVariable, value, replica: int, label: str,
