@@ -11,6 +11,8 @@ import numpy as np
 import tensorflow as tf
 from google.protobuf import message as protobuf_message
 
+from autodist.gradient_seeds import gradient_seeds
+
 
 @dataclasses.dataclass(frozen=True)
 class VariableInfo:
@@ -273,6 +275,9 @@ class GraphItem:
             optimizer call's loss is multiplied by before the gradients,
             ``loss_scale``) outside the update: shared ops, whose consumers are
             all replicated.
+        gradient_seeds: the constants the gradients of the optimizer calls without
+            a loss scale are linear in (``gradient_seeds.gradient_seeds``), or
+            none: shared ops, whose consumers are all replicated.
 
     Raises:
         ValueError: when the graph has no captured optimizer call, or a variable
@@ -326,6 +331,7 @@ class GraphItem:
         self.variables = {v.op.name: v for v in self._trainables}
         self.update_state = self._update_state()
         self.loss_scale_reads = self._loss_scale_reads()
+        self.gradient_seeds = self._gradient_seeds()
         self.read_by_control_flow = self._read_by_control_flow()
         self._classify_ops()
         self._mark_same_rows()
@@ -487,6 +493,26 @@ class GraphItem:
             if node.op == "ReadVariableOp" and node.name not in self.update_op_names
             and op_name(node.input[0]) in scales)
 
+    def _gradient_seeds(self) -> frozenset:
+        """The seeds of the gradients of every call without a loss scale (whose reads
+        carry each replica's share instead), found together: one tape's seed
+        may start several calls' gradients."""
+        unscaled = {index for index, call in enumerate(self.optimizer_calls)
+                    if not call.loss_scale}
+        return gradient_seeds(self.graph_def, [
+            ref.values for name, ref in self.gradients.items() if self.call_of[name] in unscaled])
+
+    @property
+    def scaled_by_share(self) -> frozenset:
+        """Shared ops whose value each replica multiplies by its share of the cluster's
+        rows: the reads of a loss scale and the seeds of the gradients."""
+        return self.loss_scale_reads | self.gradient_seeds
+
+    def gradients_scaled_by_share(self, call: int) -> bool:
+        """Whether optimizer call ``call``'s gradients come out of each replica already
+        scaled by its share (through ``scaled_by_share``)."""
+        return bool(self.optimizer_calls[call].loss_scale or self.gradient_seeds)
+
     def _ready_ranks(self) -> Dict[str, int]:
         """Variable name -> when its gradient is ready in the backward pass, as a rank (0: first).
 
@@ -571,9 +597,9 @@ class GraphItem:
         replicated = set()
         frontier = [name for seed in seeds for name in consumers[seed]]
         frontier += [s for s in seeds if s not in self.variables and s not in self.batched_inputs]
-        # Each replica weighs its loss scale by its share of the rows (replicator), so
-        # what reads the scale (the loss's scaling and the gradient's seed) is per replica.
-        frontier += [name for read in self.loss_scale_reads for name in consumers[read]]
+        # Each replica weighs its loss scale or gradient seeds by its share of the rows
+        # (replicator), so what reads them is per replica.
+        frontier += [name for read in self.scaled_by_share for name in consumers[read]]
         while frontier:
             name = frontier.pop()
             if name in replicated or name in self.excluded:

@@ -160,8 +160,10 @@ def test_mixed_float16_fit_keeps_the_single_device_loss_scale(spec_path, builder
         matmuls = [op for op in graph.get_operations()
                    if op.name.startswith(f"AutoDist-Replica-{replica}/") and op.type == "MatMul"]
         assert matmuls and all(op.get_attr("T") == tf.float16 for op in matmuls)
-    shares = [op.outputs[0] for op in graph.get_operations() if op.name.startswith(
-        "autodist_loss_scale_shares/") and op.type == "Cast" and op.get_attr("DstT") == tf.float32]
+    scale_reads = {f"{name}:0" for name in distributed.item.loss_scale_reads}
+    shares = [op.inputs[1] for op in graph.get_operations() if op.name.startswith(
+        "autodist_contribution_shares/") and op.type == "Mul"
+        and op.inputs[0].name in scale_reads]
     inputs = [graph.get_tensor_by_name(f"{name}:0") for name in distributed.item.batched_inputs]
     batch = {t: np.zeros([BATCH] + t.shape.as_list()[1:], np.float32) for t in inputs}
     with tf.compat.v1.Session(graph=graph) as session:

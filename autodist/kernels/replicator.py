@@ -134,7 +134,8 @@ def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
     graph = tf.compat.v1.get_default_graph()
     external = {}
     local_deferred = []
-    loss_scales = _loss_scales(item, ctx)
+    contributions = (contribution_shares(item, ctx)
+                     if item.scaled_by_share and ctx.total_replicas > 1 else [])
     # The library came with the shared import; each copy only adds its ops.
     graph_def = subgraph_def(item, item.replicated, external, local_deferred, with_library=False)
     merged = _defer_shared_assigns(item, graph_def)
@@ -154,8 +155,10 @@ def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
                 elif source in item.batched_inputs:
                     input_map[name] = _batch_slice(graph.get_tensor_by_name(name),
                                                    replica, ctx.num_replicas)
-                elif source in item.loss_scale_reads:
-                    input_map[name] = graph.get_tensor_by_name(name) * loss_scales[replica]
+                elif source in item.scaled_by_share and contributions:
+                    value = graph.get_tensor_by_name(name)
+                    with tf.name_scope(f"autodist_contribution_shares/replica_{replica}"):
+                        input_map[name] = value * tf.cast(contributions[replica], value.dtype)
                 elif source in item.shared:
                     input_map[name] = graph.get_tensor_by_name(name)
                 else:
@@ -413,35 +416,38 @@ def _batch_slice(batch: tf.Tensor, replica: int, num_replicas: int) -> tf.Tensor
     return batch[start:end]
 
 
-def gradient_weights(item: GraphItem, ctx: KernelContext) -> list:
-    """Per replica, the factor of its gradient before the replicas' gradients are averaged.
+def gradient_weights(item: GraphItem, ctx: KernelContext, call: int) -> list:
+    """Per replica, the factor of its gradient that makes it the replica's contribution.
 
-    Its row weight (``row_weights``); but where the forward pass already weighs
-    the replica's loss by its share of the cluster's rows (a loss scale, see
-    ``_loss_scales``), the number of replicas, so that the mean is their sum.
+    The synchronizers add the replicas' contributions up: each is its gradient
+    times its share of the cluster's rows (``contribution_shares``). Where the
+    backward pass already carries that share (its seeds or loss scale are
+    scaled, ``GraphItem.gradients_scaled_by_share``), the factor is 1.
 
     Returns:
         one scalar per local replica, or [] when every factor is 1.
     """
-    if not item.loss_scale_reads:
-        return row_weights(item, ctx)
-    return [float(ctx.total_replicas)] * ctx.num_replicas if ctx.total_replicas > 1 else []
+    if ctx.total_replicas == 1 or item.gradients_scaled_by_share(call):
+        return []
+    return contribution_shares(item, ctx)
 
 
-def _loss_scales(item: GraphItem, ctx: KernelContext) -> list:
-    """Per replica, what its read of a loss scale is multiplied by: its share of the
-    cluster's rows.
+def contribution_shares(item: GraphItem, ctx: KernelContext) -> list:
+    """Per local replica, its share of the rows the whole cluster trains on in a step.
 
     Each replica's loss is the mean over its own rows; so weighted, its
     gradient holds each row's term as the single-device gradient of the whole
-    batch does, and the float16 values of the backward pass are the ones a
-    single device computes (the same overflow, the same skipped step).
+    batch does, and the replicas' gradients add up to that gradient. Scaled at
+    the backward pass's start, the float16 values of a mixed-precision
+    backward pass are also the ones a single device computes (the same
+    overflow, the same skipped step).
+
+    Returns:
+        one float or float64 scalar tensor per local replica.
     """
-    if not item.loss_scale_reads:
-        return []
     scale = ctx.num_replicas / ctx.total_replicas
-    with tf.device(ctx.shared_device), tf.name_scope("autodist_loss_scale_shares"):
-        return [tf.cast(share * scale, tf.float32) for share in _row_shares(item, ctx)]
+    with tf.device(ctx.shared_device), tf.name_scope("autodist_contribution_shares"):
+        return [share * scale for share in _row_shares(item, ctx)]
 
 
 def row_weights(item: GraphItem, ctx: KernelContext) -> list:

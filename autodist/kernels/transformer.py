@@ -344,7 +344,7 @@ def _synchronize(result: DistributedGraph, call: int, synchronizers: dict,
     """
     item, ctx = result.item, result.ctx
     members = {field: [] for field in synchronizers}
-    weights = replicator.gradient_weights(item, ctx)
+    weights = replicator.gradient_weights(item, ctx, call)
     for name, storage in result.storage.items():
         ref = item.gradients.get(name)
         if ref is None or item.call_of[name] != call:

@@ -1,7 +1,7 @@
 """AllReduce synchronizer: every node keeps a copy; gradients meet in collectives.
 
 Dense gradients of the parts sharing a group are flattened into one buffer per
-replica and reduced by a single TensorFlow collective (mean), then split back;
+replica and reduced by a single TensorFlow collective (sum), then split back;
 a group mixing dtypes (a mixed-precision model) has one buffer per dtype.
 Sparse gradients are all-gathered (values and indices), which keeps them sparse.
 Collective keys are derived from the strategy alone, so every node of a cluster
@@ -9,7 +9,7 @@ computes the same ones. A group whose spec is ``SCATTER_GATHER`` meets without
 collective ops instead (``scatter_gather.py``).
 
 A node's replicas share its one copy of each part (on the node's CPU; CPU
-replicas share the host's memory): the collective leaves the same mean on every
+replicas share the host's memory): the collective leaves the same sum on every
 replica, so one update per node is enough, and a model of hundreds of
 variables on many replicas does not pay for a copy, optimizer slots and an
 update per replica.
@@ -280,7 +280,7 @@ def all_reduce_group(members: list, keys: CollectiveKeys, ctx: KernelContext) ->
             with tf.device(ctx.replica_tf_device(replica)):
                 gathered = _gather_sparse(grads[replica], group_size, sparse_keys)
                 if replica == 0:
-                    means[i] = _mean_of_gathered(*gathered, group_size, grads[replica])
+                    means[i] = _real_rows(*gathered, grads[replica])
                 else:
                     others.extend(t.op for t in gathered)
     return means, others
@@ -292,7 +292,7 @@ def _reduce_dense(grads: list, sync, group_size: int, key: int, scope: str) -> t
     wire, ctx = compressor.compress(flatten(grads))
     summed = tf.raw_ops.CollectiveReduceV2(
         input=wire, group_size=group_size, group_key=COLLECTIVE_GROUP_KEY,
-        instance_key=key, ordering_token=[], merge_op="Add", final_op="Div",
+        instance_key=key, ordering_token=[], merge_op="Add", final_op="Id",
         max_subdivs_per_device=RING_SUBDIVISIONS)
 
     def unpack(summed):
@@ -312,7 +312,7 @@ def _gather_sparse(grad: tf.IndexedSlices, group_size: int, keys: tuple) -> tupl
     Replicas may hold different numbers of rows (a partition owns the rows whose
     ids fall in its range, a short batch has fewer), but a gather needs equal
     shapes: every replica pads to the power of two above the largest count
-    with rows of index -1, dropped by :func:`_mean_of_gathered`. The extra row
+    with rows of index -1, dropped by :func:`_real_rows`. The extra row
     keeps the gather from ever being empty, which crashes the collective.
 
     TensorFlow resolves a collective's shape once per instance key and then
@@ -346,10 +346,11 @@ def _ceil_log2(value: tf.Tensor) -> tf.Tensor:
                                    >= value), guess - 1, guess)
 
 
-def _mean_of_gathered(values: tf.Tensor, indices: tf.Tensor, group_size: int,
-                      grad: tf.IndexedSlices) -> tf.IndexedSlices:
+def _real_rows(values: tf.Tensor, indices: tf.Tensor,
+               grad: tf.IndexedSlices) -> tf.IndexedSlices:
+    """The gathered rows without the padding (index -1): their sum is the mean gradient."""
     real = indices >= 0
-    return tf.IndexedSlices(tf.boolean_mask(values, real) / float(group_size),
+    return tf.IndexedSlices(tf.boolean_mask(values, real),
                             tf.boolean_mask(indices, real), grad.dense_shape)
 
 

@@ -123,8 +123,13 @@ class StoredCopies(NamedTuple):
 
 @dataclasses.dataclass
 class Member:
-    """One part to synchronize: its storage, each local replica's gradient, and how to
-    turn the mean gradient into the update of its first copy.
+    """One part to synchronize: its storage, each local replica's contribution, and how
+    to turn the mean gradient into the update of its first copy.
+
+    A contribution is the replica's gradient scaled by its share of the
+    cluster's rows (``replicator.contribution_shares``): every kind adds the
+    contributions of all replicas up, and their sum is the gradient of the
+    loss averaged over the whole batch, the mean gradient.
 
     ``updates_rows``: the update writes only the rows of the sparse mean
     gradient (``VariableInfo.updates_rows``).

@@ -500,7 +500,7 @@ def _has_proxies(sync, split_step: bool) -> bool:
 
 
 def reduce_ps_gradients(grads: list, sync, ctx: KernelContext):
-    """Averages the replicas' gradients of one part on its destination.
+    """Adds the replicas' contributions to one part's gradient up on its destination.
 
     Args:
         grads: one dense tensor or IndexedSlices per replica.
@@ -509,15 +509,11 @@ def reduce_ps_gradients(grads: list, sync, ctx: KernelContext):
     Returns:
         the mean gradient, dense or IndexedSlices like the inputs.
     """
-    num = float(len(grads))
     if sync.transfer_destination:
         with tf.device(ctx.tf_device(sync.transfer_destination)):
             grads = [_sum(grads)]
     with tf.device(ctx.tf_device(sync.reduction_destination)):
-        total = _sum(grads)
-        if isinstance(total, tf.IndexedSlices):
-            return tf.IndexedSlices(total.values / num, total.indices, total.dense_shape)
-        return total / num
+        return _sum(grads)
 
 
 def _sum(grads: list):
@@ -547,10 +543,9 @@ _ALWAYS_FRESH = 2 ** 62
 
 
 def node_contribution(grads: list, sync, ctx: KernelContext):
-    """This node's share of a part's gradient: its replicas' sum / all replicas.
+    """This node's share of a part's gradient: the sum of its replicas' contributions.
 
-    The shares of all nodes add up to the mean over every replica of the
-    cluster, whatever the number of replicas per node. With a
+    The shares of all nodes add up to the mean gradient. With a
     ``transfer_destination``, or in a split step, the node sums its replicas'
     gradients on its own CPU and pushes one tensor; otherwise the sum happens
     on the destination, so every replica's gradient crosses the network.
@@ -560,11 +555,7 @@ def node_contribution(grads: list, sync, ctx: KernelContext):
     else:
         device = ctx.tf_device(sync.reduction_destination)
     with tf.device(device):
-        total = _sum(grads)
-        scale = 1.0 / ctx.total_replicas
-        if isinstance(total, tf.IndexedSlices):
-            return tf.IndexedSlices(total.values * scale, total.indices, total.dense_shape)
-        return total * scale
+        return _sum(grads)
 
 
 def accumulate_across_nodes(name: str, contribution, shape: tuple, sync,

@@ -3,9 +3,8 @@
 ``AllReduceSynchronizer.Spec.SCATTER_GATHER``. Each node sums its own replicas'
 gradients, cuts the sum into one slice per node, and enqueues slice ``j`` into
 a queue on node ``j``. Node ``j`` sums the slices it receives, in node order
-(so the sum is the same on every run), divides by the replicas, and enqueues
-that mean into a queue on every other node, which concatenates the means it
-receives. Every node sends and receives ``2 (n - 1) / n`` of the buffer, as in
+(so the sum is the same on every run), and enqueues that sum into a queue on
+every other node, which concatenates the sums it receives. Every node sends and receives ``2 (n - 1) / n`` of the buffer, as in
 a ring, but in two hops.
 
 The tensors travel by TensorFlow's send/recv, the path a parameter server's
@@ -60,26 +59,21 @@ def _queue(key: int, phase: str, source: int, target: int, dtypes: list,
                               name=name)
 
 
-def mean_across_nodes(buffer: tf.Tensor, count: int, key: int,
-                      ctx: KernelContext) -> Tuple[tf.Tensor, list]:
-    """Every node's ``buffer`` (a flat dense tensor of this node) summed and divided by
-    ``count``, on this node.
-
-    Each node divides the slice it sums, so the division costs 1/n of a pass over
-    the buffer.
+def sum_across_nodes(buffer: tf.Tensor, key: int,
+                     ctx: KernelContext) -> Tuple[tf.Tensor, list]:
+    """Every node's ``buffer`` (a flat dense tensor of this node) summed, on this node.
 
     Args:
-        count: what the sum is divided by (the replicas whose gradients it sums).
         key: the group's key, the same on every node.
 
     Returns:
-        (the mean; the enqueues to other nodes' queues, which this node's step
+        (the sum; the enqueues to other nodes' queues, which this node's step
         must run)
     """
     n, me = ctx.num_nodes, ctx.node_index
     if n == 1:
         with tf.device(ctx.shared_device):
-            return buffer / tf.cast(count, buffer.dtype), []
+            return buffer, []
     sizes = slice_sizes(buffer.shape.num_elements(), n)
     with tf.device(ctx.shared_device):
         slices = tf.split(buffer, sizes)
@@ -92,7 +86,7 @@ def mean_across_nodes(buffer: tf.Tensor, count: int, key: int,
     with tf.device(ctx.shared_device):
         mine = tf.add_n([slices[me] if node == me else
                          _queue(key, "reduce", node, me, [buffer.dtype], [[sizes[me]]]).dequeue()
-                         for node in range(n)]) / tf.cast(count, buffer.dtype)
+                         for node in range(n)])
     for node in range(n):
         if node != me:
             with tf.device(ctx.nodes[node]):
@@ -179,7 +173,7 @@ def reduce_group(members: list, keys: CollectiveKeys, ctx: KernelContext) -> tup
             flats = [flatten([members[i][2][r] for i in dense]) for r in range(ctx.num_replicas)]
             compressor = compressor_class(sync.compressor)(f"{name}/scatter_gather")
             wire, state = compressor.compress(tf.add_n(flats) if len(flats) > 1 else flats[0])
-        mean, sent = mean_across_nodes(exchanged(wire, name), ctx.total_replicas, key, ctx)
+        mean, sent = sum_across_nodes(exchanged(wire, name), key, ctx)
         sends.extend(sent)
         with tf.device(ctx.shared_device):
             mean = compressor.decompress(mean, state)
@@ -197,6 +191,5 @@ def reduce_group(members: list, keys: CollectiveKeys, ctx: KernelContext) -> tup
         values, indices, sent = gather_rows(rows.values, rows.indices, key, ctx)
         sends.extend(sent)
         with tf.device(ctx.shared_device):
-            means[i] = tf.IndexedSlices(values / float(ctx.total_replicas), indices,
-                                        grads[0].dense_shape)
+            means[i] = tf.IndexedSlices(values, indices, grads[0].dense_shape)
     return means, stores, sends

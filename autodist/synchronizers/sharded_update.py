@@ -4,7 +4,7 @@ Every node keeps one copy of the part, which its replicas read, as AllReduce
 does. Each step:
 
 1. the replicas' gradients of one group (and dtype) are flattened into one
-   buffer and reduced by TensorFlow's ring collective (mean); each replica
+   buffer and reduced by TensorFlow's ring collective (sum); each replica
    keeps its shard of the result;
 2. each replica applies the optimizer to its shard, a variable of
    ``ceil(n / R)`` elements of the flattened part on its own device, with that
@@ -222,7 +222,7 @@ class ShardedUpdateSynchronizer(SynchronizerKind):
                     mean = tf.raw_ops.CollectiveReduceV2(
                         input=flat, group_size=ctx.total_replicas,
                         group_key=COLLECTIVE_GROUP_KEY, instance_key=reduce_key,
-                        ordering_token=[], merge_op="Add", final_op="Div",
+                        ordering_token=[], merge_op="Add", final_op="Id",
                         max_subdivs_per_device=RING_SUBDIVISIONS)
                     pieces = tf.split(mean, [layout.size for layout in layouts])
                     for member, layout, piece in zip(grouped, layouts, pieces):
