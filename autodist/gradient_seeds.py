@@ -19,10 +19,12 @@ instead.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Sequence
+from typing import Dict, List, Sequence
 
 import numpy as np
 import tensorflow as tf
+
+from autodist.graph_defs import ancestors, data_inputs, op_name, tensor_name
 
 # How an op's outputs depend on inputs computed from the seeds, by op type:
 #   (positions that may carry such a value, how they combine)
@@ -87,14 +89,14 @@ def gradient_seeds(graph_def, gradients: Sequence[str]) -> frozenset:
     if not gradients:
         return frozenset()
     graph = _Graph(graph_def)
-    ancestors = graph.ancestors(_op(g) for g in gradients)
+    upstream = ancestors(graph.nodes, (op_name(g) for g in gradients), control=False)
     # Every constant 1 the gradients are computed from, together (a tape asked
     # for several targets seeds each). Never a subset: a constant 1 of the forward
     # pass (``weight * loss`` with ``weight=1.0``) may be one the gradients are
     # linear in, but it also scales the loss; taken together with the seed, it
     # meets the seed in a product, and the proof fails.
-    candidates = sorted(name for name in ancestors if graph.is_ones(name))
-    if candidates and graph.linear_in(candidates, set(gradients), ancestors):
+    candidates = sorted(name for name in upstream if graph.is_ones(name))
+    if candidates and graph.linear_in(candidates, set(gradients), upstream):
         return frozenset(candidates)
     return frozenset()
 
@@ -106,31 +108,21 @@ class _Graph:
         self.nodes = {node.name: node for node in graph_def.node}
         self.consumers: Dict[str, List[str]] = {name: [] for name in self.nodes}
         for node in graph_def.node:
-            for tensor in _data_inputs(node):
-                self.consumers.setdefault(_op(tensor), []).append(node.name)
-
-    def ancestors(self, names: Iterable[str]) -> set:
-        seen, todo = set(), list(names)
-        while todo:
-            name = todo.pop()
-            if name in seen or name not in self.nodes:
-                continue
-            seen.add(name)
-            todo.extend(_op(t) for t in _data_inputs(self.nodes[name]))
-        return seen
+            for tensor in data_inputs(node):
+                self.consumers.setdefault(op_name(tensor), []).append(node.name)
 
     def is_ones(self, name: str) -> bool:
         return self._constant_equal(name, 1)
 
     def is_zero(self, tensor: str) -> bool:
         """Whether ``tensor`` is zeros by construction (``ZerosLike``, a zero fill or constant)."""
-        node = self.nodes.get(_op(tensor))
+        node = self.nodes.get(op_name(tensor))
         if node is None:
             return False
         if node.op == "ZerosLike":
             return True
         if node.op == "Fill":
-            return self._constant_equal(_op(_data_inputs(node)[1]), 0)
+            return self._constant_equal(op_name(data_inputs(node)[1]), 0)
         return self._constant_equal(node.name, 0)
 
     def _constant_equal(self, name: str, value: float) -> bool:
@@ -161,11 +153,11 @@ class _Graph:
                 if consumer in carrying or node.op in _SHAPE_ONLY_OPS:
                     continue
                 if consumer not in ancestors and all(
-                        _tensor(t) in gradients for t in _data_inputs(node) if _op(t) == name):
+                        tensor_name(t) in gradients for t in data_inputs(node) if op_name(t) == name):
                     continue
                 carrying.add(consumer)
                 todo.append(consumer)
-        return (all(_op(g) in carrying for g in gradients)
+        return (all(op_name(g) in carrying for g in gradients)
                 and all(self._linear_op(self.nodes[name], carrying)
                         for name in carrying.difference(seeds)))
 
@@ -173,14 +165,14 @@ class _Graph:
         rule = _LINEAR_OPS.get(node.op)
         if rule is None:
             return False
-        inputs = _data_inputs(node)
+        inputs = data_inputs(node)
         positions, combine = rule
         if positions is _ALL:
             positions = range(len(inputs))
         elif positions == "all but last":
             positions = range(len(inputs) - 1)
         positions = [p for p in positions if p < len(inputs)]
-        carried = [p for p, t in enumerate(inputs) if _op(t) in carrying]
+        carried = [p for p, t in enumerate(inputs) if op_name(t) in carrying]
         if any(p not in positions for p in carried):
             return False  # the seeds reach a position the op is not linear in
         if node.op == "Cast" and not tf.as_dtype(node.attr["DstT"].type).is_floating:
@@ -190,16 +182,4 @@ class _Graph:
         if combine == "sum":
             return all(p in carried or self.is_zero(inputs[p]) for p in positions)
         return bool(carried)
-
-
-def _data_inputs(node) -> list:
-    return [i for i in node.input if not i.startswith("^")]
-
-
-def _op(name: str) -> str:
-    return name.lstrip("^").split(":")[0]
-
-
-def _tensor(name: str) -> str:
-    return name if ":" in name else name + ":0"
 

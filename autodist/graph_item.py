@@ -12,6 +12,7 @@ import tensorflow as tf
 from google.protobuf import message as protobuf_message
 
 from autodist.gradient_seeds import gradient_seeds
+from autodist.graph_defs import data_inputs, op_name, tensor_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -700,21 +701,11 @@ def _gathers_rows(nodes: dict, node, params: str) -> bool:
     """Whether ``node`` is ``GatherV2(params, ids, axis=0)`` with no batch dimensions."""
     if node.op != "GatherV2" or _batch_dims(node):
         return False
-    inputs = [i for i in node.input if not i.startswith("^")]
+    inputs = data_inputs(node)
     axis = nodes.get(op_name(inputs[2]))
     return (op_name(inputs[0]) == params and op_name(inputs[1]) != params
             and axis is not None and axis.op == "Const"
             and tf.make_ndarray(axis.attr["value"].tensor).item() == 0)
-
-
-def op_name(name: str) -> str:
-    """The op of a tensor name or NodeDef input (``"^op"``, ``"op:1"`` -> ``"op"``)."""
-    return name.lstrip("^").split(":")[0]
-
-
-def tensor_name(name: str) -> str:
-    """A NodeDef input naming an op's first output as a tensor name (``"op"`` -> ``"op:0"``)."""
-    return name if ":" in name else name + ":0"
 
 
 def _is_batched(node) -> bool:

@@ -13,7 +13,7 @@ import autodist
 
 LAYERS = (
     ("representation", ("autodist.proto", "autodist.partition", "autodist.graph_item",
-                        "autodist.gradient_seeds",
+                        "autodist.gradient_seeds", "autodist.graph_defs",
                         "autodist.resource_spec", "autodist.network", "autodist.kernel_context",
                         "autodist.strategy.base", "autodist.usage", "autodist._tf_compat",
                         "autodist._keras_compat", "autodist._startup")),

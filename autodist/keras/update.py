@@ -30,6 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 from autodist._tf_compat import eager_snapshot
+from autodist.graph_defs import ancestors
 from autodist.graph_item import (RESOURCE_WRITES, PartUpdate, op_name, tensor_name,
                                  through_identities)
 from autodist.kernels import partitioner
@@ -189,14 +190,7 @@ class KerasOptimizerCall:
         control edge (RMSprop reads the velocity it has just assigned) belongs with
         that write, in the same stage, or it reads the slot's old value.
         """
-        seen, todo = set(), list(names)
-        while todo:
-            name = todo.pop()
-            if name in seen or name not in self.nodes:
-                continue
-            seen.add(name)
-            todo.extend(op_name(i) for i in self.nodes[name].input)
-        return seen
+        return ancestors(self.nodes, names, control=True)
 
     def _reads(self, names) -> set:
         """Op names outside the update that ``names`` read."""
