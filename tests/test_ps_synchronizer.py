@@ -8,6 +8,7 @@ import models
 from autodist import _tf_compat
 from autodist.graph_item import GraphItem
 from autodist.kernel_context import KernelContext
+from autodist.synchronizers.base import Member
 from autodist.synchronizers.ps import node_contribution
 from autodist.kernels.transformer import transform
 from autodist.resource_spec import ResourceSpec
@@ -24,16 +25,24 @@ WORKER_CONTEXT = KernelContext(replica_devices=("10.0.0.2:CPU:0", "10.0.0.2:CPU:
                                node_index=1, num_nodes=2, group_size=3, has_remote_ops=True)
 
 
-def _contribution(transfer_destination: str) -> tf.Tensor:
+def _contribution(transfer_destination: str, node_sum: bool = False) -> tf.Tensor:
+    """The worker's contribution of two replica gradients; with ``node_sum``, the node
+    also knows their sum as one tensor (``kernels.node_products``)."""
     sync = common.ps_node_config("w", "10.0.0.1:CPU:0",
                                  transfer_destination=transfer_destination).PSSynchronizer
     with tf.Graph().as_default():
         grads = [tf.constant([1.0, 2.0]), tf.constant([3.0, 4.0])]
-        return node_contribution(grads, sync, WORKER_CONTEXT)
+        with tf.device(WORKER):
+            known = tf.constant([4.0, 6.0], name="node_sum")
+        member = Member(None, grads, None, node_sum=(lambda: known) if node_sum else None)
+        return node_contribution(member, sync, WORKER_CONTEXT)
 
 
-def test_without_a_transfer_destination_the_server_sums_every_replicas_gradient():
-    assert _contribution("").device == CHIEF
+@pytest.mark.parametrize("node_sum", [False, True])
+def test_without_a_transfer_destination_the_server_sums_every_replicas_gradient(node_sum):
+    summed = _contribution("", node_sum)
+    assert summed.device == CHIEF
+    assert summed.op.type == "AddN"  # of both replicas' gradients, which travel
 
 
 @pytest.mark.parametrize("named", ["10.0.0.1:CPU:0", "10.0.0.2:CPU:0"])
@@ -42,6 +51,7 @@ def test_with_a_transfer_destination_each_node_sums_on_its_own_cpu(named):
     summed = _contribution(named)
     assert summed.device == WORKER
     assert summed.op.type == "AddN"
+    assert _contribution(named, node_sum=True).op.name == "node_sum"
 
 
 # When a proxy is refreshed: as soon as its own part is updated, so on a cluster

@@ -71,7 +71,13 @@ def test_a_node_sums_its_replicas_then_sends_each_node_its_slice_and_gathers_the
     reduce_in = [op for op in ops if op.type == "QueueEnqueueV2"
                  and op.inputs[0].op.name.endswith("_reduce_1_to_0")][0]
     assert reduce_in.inputs[1].shape.num_elements() == sizes[0]
-    assert reduce_in.inputs[1].op.inputs[0].op.type == "AddN"  # the node's two replicas
+    # The slices are cut from one buffer of the node's sums of its two replicas, on its
+    # CPU (kernels too narrow for one product over both replicas' rows to pay).
+    buffer = reduce_in.inputs[1].op.inputs[0].op
+    assert buffer.type == "ConcatV2"
+    sums = [t.op.inputs[0].op for t in buffer.inputs[:-1]]  # each flattened by a Reshape
+    assert [op.type for op in sums] == ["AddN"] * 3  # w1, b1, w2
+    assert {op.device for op in sums} == {NODES[1]}
     # ... and it dequeues the others' slices and sums on its own CPU.
     dequeues = [op for op in ops if op.type == "QueueDequeueV2"]
     assert {op.device for op in dequeues} == {NODES[1]}

@@ -43,7 +43,7 @@ import tensorflow as tf
 from autodist import _tf_compat
 from autodist.graph_item import GraphItem, PartUpdate
 from autodist.kernel_context import KernelContext, replica_scope
-from autodist.kernels import fills, gradient_processing, partitioner, replicator
+from autodist.kernels import fills, gradient_processing, node_products, partitioner, replicator
 from autodist.kernels.accumulator import Accumulation
 from autodist.strategy.compiler import CompiledStrategy, CompiledVariable
 from autodist.synchronizers import KINDS
@@ -369,10 +369,16 @@ def _synchronize(result: DistributedGraph, call: int, synchronizers: dict,
                         for i in range(plan.num_parts)]
         else:
             per_part = [per_replica]
-        for part_storage, grads in zip(storage.parts, per_part):
+        product = node_products.node_product(per_replica, ctx, name)
+        for index, (part_storage, grads) in enumerate(zip(storage.parts, per_part)):
             update = functools.partial(_part_update, part_storage, name, plan)
+            node_sum = None
+            if product is not None:
+                node_sum = (product.whole if plan is None
+                            else functools.partial(product.part, plan, index))
             members[part_storage.part.kind.field].append(
-                Member(part_storage, grads, update, storage.compiled.info.updates_rows))
+                Member(part_storage, grads, update, storage.compiled.info.updates_rows,
+                       node_sum))
     out = Reduced()
     for field, synchronizer in synchronizers.items():  # in the registry's order, on every node
         if members[field]:

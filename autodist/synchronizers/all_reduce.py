@@ -202,15 +202,17 @@ class AllReduceSynchronizer(SynchronizerKind):
             groups.setdefault(member.storage.part.synchronizer.group, []).append(member)
         for group in sorted(groups):
             grouped = groups[group]
-            entries = [(m.storage.part.name, m.storage.part.synchronizer, m.grads)
-                       for m in grouped]
             if grouped[0].storage.part.synchronizer.spec == _CONFIG.SCATTER_GATHER:
+                entries = [(m.storage.part.name, m.storage.part.synchronizer,
+                            m.node_contributions()) for m in grouped]
                 means, stores, sends = scatter_gather.reduce_group(entries, self.keys, self.ctx)
                 out.local_ops.extend(stores)
                 out.remote_ops.extend(sends)
                 # A split step's second run exchanges what its first run stored.
                 updates = out.remote_updates if self.ctx.split_step else out.local_updates
             else:
+                entries = [(m.storage.part.name, m.storage.part.synchronizer, m.grads)
+                           for m in grouped]
                 means, others = all_reduce_group(entries, self.keys, self.ctx)
                 out.local_ops.extend(others)
                 updates = out.local_updates

@@ -133,12 +133,23 @@ class Member:
 
     ``updates_rows``: the update writes only the rows of the sparse mean
     gradient (``VariableInfo.updates_rows``).
+
+    ``node_sum``: builds the node's contributions already added up, where one
+    product over the node's rows gives them (``kernels.node_products``); a kind
+    that adds a node's contributions up before anything else takes them through
+    :meth:`node_contributions`.
     """
 
     storage: PartStorage
     grads: list
     update: Callable[[object], PartUpdate]
     updates_rows: bool = False
+    node_sum: Optional[Callable[[], tf.Tensor]] = None
+
+    def node_contributions(self) -> list:
+        """What this node adds up: its sum as one tensor where ``node_sum`` gives it,
+        else each local replica's contribution."""
+        return [self.node_sum()] if self.node_sum is not None else self.grads
 
 
 @dataclasses.dataclass

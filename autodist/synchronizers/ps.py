@@ -154,12 +154,12 @@ class PSSynchronizer(SynchronizerKind):
                 self._proxy_parts.append(member.storage)
             by_rows = proxied and member.updates_rows and not sync.staleness
             if not ctx.multi_node:
-                mean = reduce_ps_gradients(member.grads, sync, ctx)
+                mean = reduce_ps_gradients(member.node_contributions(), sync, ctx)
                 if by_rows:
                     self._updated_rows[part.name] = mean.indices
                 out.remote_updates.append(member.update(mean))
                 continue
-            contribution = node_contribution(member.grads, sync, ctx)
+            contribution = node_contribution(member, sync, ctx)
             if ctx.split_step:
                 store, contribution = stash(part.name, contribution, ctx)
                 out.local_ops.append(store)
@@ -503,7 +503,8 @@ def reduce_ps_gradients(grads: list, sync, ctx: KernelContext):
     """Adds the replicas' contributions to one part's gradient up on its destination.
 
     Args:
-        grads: one dense tensor or IndexedSlices per replica.
+        grads: this node's contributions, dense tensors or IndexedSlices: one per
+            replica, or their sum (``Member.node_contributions``).
         sync: the part's PSSynchronizer.
 
     Returns:
@@ -542,20 +543,21 @@ def refresh_proxies(shared: tf.Variable, proxies: list, staleness: int,
 _ALWAYS_FRESH = 2 ** 62
 
 
-def node_contribution(grads: list, sync, ctx: KernelContext):
+def node_contribution(member: Member, sync, ctx: KernelContext):
     """This node's share of a part's gradient: the sum of its replicas' contributions.
 
     The shares of all nodes add up to the mean gradient. With a
     ``transfer_destination``, or in a split step, the node sums its replicas'
-    gradients on its own CPU and pushes one tensor; otherwise the sum happens
-    on the destination, so every replica's gradient crosses the network.
+    gradients on its own CPU (as one product where ``member.node_contributions``
+    gives one) and pushes one tensor; otherwise the sum happens on the
+    destination, so every replica's gradient crosses the network.
     """
     if sync.transfer_destination or ctx.split_step:
-        device = ctx.shared_device
+        device, contributions = ctx.shared_device, member.node_contributions()
     else:
-        device = ctx.tf_device(sync.reduction_destination)
+        device, contributions = ctx.tf_device(sync.reduction_destination), member.grads
     with tf.device(device):
-        return _sum(grads)
+        return _sum(contributions)
 
 
 def accumulate_across_nodes(name: str, contribution, shape: tuple, sync,

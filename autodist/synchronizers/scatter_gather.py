@@ -144,8 +144,9 @@ def reduce_group(members: list, keys: CollectiveKeys, ctx: KernelContext) -> tup
     stored by the first run and exchanged by the second.
 
     Args:
-        members: list of (part name, its AllReduceSynchronizer, [grad per local
-            replica]) in a fixed order, the dense ones agreeing on the compressor.
+        members: list of (part name, its AllReduceSynchronizer, this node's
+            contributions: one per local replica, or their sum) in a fixed order,
+            the dense ones agreeing on the compressor.
         keys: hands out the keys naming the group's queues.
 
     Returns:
@@ -170,9 +171,9 @@ def reduce_group(members: list, keys: CollectiveKeys, ctx: KernelContext) -> tup
         key = keys.take()
         name, sync, _ = members[dense[0]]
         with tf.device(ctx.shared_device):
-            flats = [flatten([members[i][2][r] for i in dense]) for r in range(ctx.num_replicas)]
+            sums = [_added(members[i][2]) for i in dense]
             compressor = compressor_class(sync.compressor)(f"{name}/scatter_gather")
-            wire, state = compressor.compress(tf.add_n(flats) if len(flats) > 1 else flats[0])
+            wire, state = compressor.compress(flatten(sums))
         mean, sent = sum_across_nodes(exchanged(wire, name), key, ctx)
         sends.extend(sent)
         with tf.device(ctx.shared_device):
@@ -193,3 +194,7 @@ def reduce_group(members: list, keys: CollectiveKeys, ctx: KernelContext) -> tup
         with tf.device(ctx.shared_device):
             means[i] = tf.IndexedSlices(values, indices, grads[0].dense_shape)
     return means, stores, sends
+
+
+def _added(contributions: list) -> tf.Tensor:
+    return tf.add_n(contributions) if len(contributions) > 1 else contributions[0]
