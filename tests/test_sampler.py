@@ -313,11 +313,13 @@ def test_sampling_and_scoring_2000_candidates_of_a_400_variable_graph():
     sampler = StrategySampler(variables, cluster, SamplerConstraints())
     model = CostModel()
     rng = random.Random(0)
-    start = time.perf_counter()
+    # This process's CPU time, not the wall clock: the suite's other workers share the
+    # cores (the speed goal itself is benchmarks/sampling_speed.py's).
+    start = time.process_time()
     scores = [model.predict(sampler.sample(rng), variables, cluster, batch_size=32)
               for _ in range(2000)]
-    elapsed = time.perf_counter() - start
-    print(f"\nsampled and scored 2000 candidates of 400 variables in {elapsed:.1f} s")
+    elapsed = time.process_time() - start
+    print(f"\nsampled and scored 2000 candidates of 400 variables in {elapsed:.1f} CPU s")
     assert len(scores) == 2000 and min(scores) > 0
     assert max(scores) / min(scores) > 1.3  # the candidates really differ
     assert elapsed < 60
