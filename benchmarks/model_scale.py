@@ -6,7 +6,8 @@ one device and through AutoDist, each run in a fresh process, the runs
 interleaved per size. Three ways of writing it, each with its single-device
 reference first:
 
-* ``fit``: Keras 3 ``model.fit`` against AutoDist on one node with two CPU
+* ``fit``: Keras 3 ``model.fit`` of the arrays batched by ``tf.data`` without
+  autotuning (``_batches``) against AutoDist on one node with two CPU
   replicas (``configs/local_2cpu.yml``) under ``--builders``; with one replica
   (AutoDist's own memory, without a second replica's gradient); and, up to
   ``--two-nodes-up-to-mb``, on a two-node emulated cluster (one replica each,
@@ -20,7 +21,7 @@ reference first:
 Per run: the first step (from the call to ``fit``, or from building the session,
 to the end of the first batch: for AutoDist tracing, lifting, building,
 compiling, rewriting, initializing); the whole run; the median of steps 2-8;
-the peak resident memory (``ru_maxrss``, taken before the weights are saved);
+the peak resident memory (``VmHWM``, taken before the weights are saved);
 and the largest difference of any trained weight from the reference's.
 
 The goals (issue 30), checked at every size: the first step at most the
@@ -155,6 +156,22 @@ def _save(values, prefix: Optional[str]) -> None:
             np.save(f"{prefix}.{index}.npy", value())
 
 
+def _batches(x, y, rows: int):
+    """The arrays as a ``tf.data`` pipeline without autotuning, for both systems alike.
+
+    Given the arrays, Keras builds a pipeline that autotunes, and tf.data's tuning
+    thread, whose period doubles from 10 ms, stalled a step at about 5 s and held
+    ``fit``'s return until its next period (about 10 s from the start), whatever
+    trained (docs/notes/model_scale.md): the ``fit`` totals measured when a run
+    crossed those marks, not the systems.
+    """
+    import tensorflow as tf
+    batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(rows)
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return batches.with_options(options)
+
+
 def _keras_model(width: int, optimizer: str):
     import keras
     keras.utils.set_random_seed(SEED)
@@ -188,8 +205,7 @@ def run_fit(case: Case, width: int, optimizer: str, spec: Optional[str],
         model.compile(optimizer=opt, loss="mse")
     started = time.perf_counter()
     times = StepTimes(started)
-    model.fit(x, y, batch_size=ROWS // case.nodes, epochs=1, shuffle=False, verbose=0,
-              callbacks=[times])
+    model.fit(_batches(x, y, ROWS // case.nodes), epochs=1, verbose=0, callbacks=[times])
     figures = {"build": started - begun, "first_step": times.ends[0],
                "run": time.perf_counter() - started,
                "later": statistics.median(b - a for a, b in zip(times.ends, times.ends[1:])),
@@ -524,7 +540,8 @@ def format_section(rows: list, command: str, info: dict, touch_s: float,
         BEGIN, "## Start-up and memory vs. the model's bytes (`model_scale`)", "",
         f"**Measures:** `Input(W) -> Dense(W) -> Dense(1)`, 8 batches of {ROWS} rows, trained "
         f"on one device and through AutoDist ({', '.join(f'`{b}`' for b in builders)}; one "
-        "node with two CPU replicas unless named), written three ways: Keras `fit`, a "
+        "node with two CPU replicas unless named), written three ways: Keras `fit` (of a "
+        "`tf.data` pipeline without autotuning, whose pauses are tf.data's: see the notes), a "
         "custom loop, `tf.compat.v1`. Each run a fresh process, interleaved per size, one "
         "run each; each AutoDist run's trained weights compared with its single-device "
         "reference's.", "",
