@@ -3,6 +3,7 @@ its slices and queues, and the compiler's rule for a group's spec.
 
 Its training results are checked against one device in test_equivalence (one node)
 and test_multinode (two and three nodes, with and without a split step)."""
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -15,7 +16,7 @@ from autodist.proto import synchronizers_pb2
 from autodist.resource_spec import ResourceSpec
 from autodist.strategy import AllReduce, StrategyError
 from autodist.strategy.compiler import compile_strategy
-from autodist.synchronizers.scatter_gather import slice_sizes
+from autodist.synchronizers.scatter_gather import node_buffer, slice_sizes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -71,13 +72,7 @@ def test_a_node_sums_its_replicas_then_sends_each_node_its_slice_and_gathers_the
     reduce_in = [op for op in ops if op.type == "QueueEnqueueV2"
                  and op.inputs[0].op.name.endswith("_reduce_1_to_0")][0]
     assert reduce_in.inputs[1].shape.num_elements() == sizes[0]
-    # The slices are cut from one buffer of the node's sums of its two replicas, on its
-    # CPU (kernels too narrow for one product over both replicas' rows to pay).
-    buffer = reduce_in.inputs[1].op.inputs[0].op
-    assert buffer.type == "ConcatV2"
-    sums = [t.op.inputs[0].op for t in buffer.inputs[:-1]]  # each flattened by a Reshape
-    assert [op.type for op in sums] == ["AddN"] * 3  # w1, b1, w2
-    assert {op.device for op in sums} == {NODES[1]}
+    assert reduce_in.inputs[1].op.inputs[0].op.type == "AddN"  # the node's two replicas
     # ... and it dequeues the others' slices and sums on its own CPU.
     dequeues = [op for op in ops if op.type == "QueueDequeueV2"]
     assert {op.device for op in dequeues} == {NODES[1]}
@@ -112,3 +107,16 @@ def test_only_a_collective_spec_needs_collective_steps():
     assert not kind.uses_collectives(config) and kind.uses_remote_ops(config)
     config.spec = synchronizers_pb2.AllReduceSynchronizer.AUTO
     assert kind.uses_collectives(config) and not kind.uses_remote_ops(config)
+
+
+def test_a_node_s_buffer_keeps_the_members_order_whichever_it_got_summed():
+    """A member may come as each replica's gradient or as the node's sum already (one
+    product over its rows, kernels.node_products); a node with one replica gets every
+    member alike. The buffers must line up element by element across nodes."""
+    a = [tf.constant([[1.0, 2.0]]), tf.constant([[10.0, 20.0]])]
+    summed = [tf.constant([5.0, 6.0, 7.0])]
+    c = [tf.constant([100.0]), tf.constant([200.0])]
+    two_replicas = node_buffer([a, summed, c])
+    one_replica = node_buffer([[a[0]], summed, [c[0]]])
+    np.testing.assert_array_equal(two_replicas.numpy(), [11, 22, 5, 6, 7, 300])
+    np.testing.assert_array_equal(one_replica.numpy(), [1, 2, 5, 6, 7, 100])

@@ -17,6 +17,7 @@ parameter server's ops.
 """
 from __future__ import annotations
 
+import itertools
 from typing import List, Tuple
 
 import numpy as np
@@ -171,9 +172,9 @@ def reduce_group(members: list, keys: CollectiveKeys, ctx: KernelContext) -> tup
         key = keys.take()
         name, sync, _ = members[dense[0]]
         with tf.device(ctx.shared_device):
-            sums = [_added(members[i][2]) for i in dense]
+            buffer = node_buffer([members[i][2] for i in dense])
             compressor = compressor_class(sync.compressor)(f"{name}/scatter_gather")
-            wire, state = compressor.compress(flatten(sums))
+            wire, state = compressor.compress(buffer)
         mean, sent = sum_across_nodes(exchanged(wire, name), key, ctx)
         sends.extend(sent)
         with tf.device(ctx.shared_device):
@@ -196,5 +197,17 @@ def reduce_group(members: list, keys: CollectiveKeys, ctx: KernelContext) -> tup
     return means, stores, sends
 
 
-def _added(contributions: list) -> tf.Tensor:
-    return tf.add_n(contributions) if len(contributions) > 1 else contributions[0]
+def node_buffer(contributions: list) -> tf.Tensor:
+    """This node's sum of a group's dense gradients as one flat buffer, member after
+    member: the same layout on every node, whichever members it got summed.
+
+    ``contributions`` holds each member's, one per local replica or their sum. A
+    run of members given alike is flattened per replica and added up once (a
+    group of many small gradients costs a join per replica and one sum).
+    """
+    pieces = []
+    for _, run in itertools.groupby(contributions, key=len):
+        run = list(run)
+        flats = [flatten([member[r] for member in run]) for r in range(len(run[0]))]
+        pieces.append(tf.add_n(flats) if len(flats) > 1 else flats[0])
+    return tf.concat(pieces, 0) if len(pieces) > 1 else pieces[0]
