@@ -1,6 +1,9 @@
 """DistributedSession: runs the user's fetches and feeds on the distributed graph."""
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import statistics
 import threading
 import time
@@ -38,6 +41,26 @@ class StuckStepError(RuntimeError):
             f"{bound:.0f} s: {STUCK_FACTOR:g} times the median step, at least "
             f"{STUCK_MIN_S:g} s); nodes still in it: {nodes}. Nodes that cannot reach each "
             "other (a network partition) or a node stuck in its step; stopping the job.")
+@functools.lru_cache(maxsize=None)
+def heap_trimmer() -> Optional[Callable[[], None]]:
+    """glibc's ``malloc_trim(0)``, which hands the C heap's free pages back to the
+    system; None where the C library has no such call.
+
+    A step of a multi-node session receives tensors through gRPC, whose buffers
+    come from the C heap; freed, they stay in the process's resident memory, up
+    to the largest step's worth. Returning them after each run keeps a node's peak
+    at what one step needs (``docs/notes/model_scale.md``). A call with nothing
+    to return takes microseconds.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        trim = libc.malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return lambda: trim(0)
+
+
 # What a step dies of when another node goes away.
 _PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError,
                 tf.errors.DeadlineExceededError, tf.errors.InternalError)
@@ -99,9 +122,12 @@ class DistributedSession:
         self._step_seconds = []  # the latest updating runs' durations
         self._steps_done = 0  # training runs, accumulating ones included
         self._runs_of = [0] * len(distributed.updates)  # per optimizer call, its training runs
+        self._trim_heap = heap_trimmer() if distributed.ctx.multi_node else None
         self._session = self._watched(tf.compat.v1.Session, target=target, graph=self._graph,
                                       config=config)
         self._watched(self._initialize, init_timeout)
+        if self._trim_heap is not None:
+            self._trim_heap()
 
     def _watched(self, function, *args, stuck_after: Optional[float] = None, **kwargs):
         """Calls ``function``; with a monitor, in a thread so a failure elsewhere aborts it.
@@ -169,6 +195,8 @@ class DistributedSession:
         call once every node has initialized."""
         if self._distributed.release_after_start is not None:
             self._session.run(self._distributed.release_after_start)
+            if self._trim_heap is not None:
+                self._trim_heap()
 
     def _initial_value_feeds(self) -> dict:
         """The starting values held outside the graph, for the placeholders of them
@@ -227,6 +255,8 @@ class DistributedSession:
         if seconds:
             left = None if bound is None else max(0.0, bound - (time.monotonic() - started))
             self._watched(self._session.run, seconds, stuck_after=left)
+        if self._trim_heap is not None:
+            self._trim_heap()
         for index in trained:
             self._runs_of[index] += 1
         if trained:

@@ -3,6 +3,9 @@ its slices and queues, and the compiler's rule for a group's spec.
 
 Its training results are checked against one device in test_equivalence (one node)
 and test_multinode (two and three nodes, with and without a split step)."""
+import socket
+import threading
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -16,7 +19,9 @@ from autodist.proto import synchronizers_pb2
 from autodist.resource_spec import ResourceSpec
 from autodist.strategy import AllReduce, StrategyError
 from autodist.strategy.compiler import compile_strategy
-from autodist.synchronizers.scatter_gather import node_buffer, slice_sizes
+from autodist.synchronizers import base
+from autodist.synchronizers.base import piece_sizes
+from autodist.synchronizers.scatter_gather import node_buffer, slice_sizes, sum_across_nodes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -120,3 +125,81 @@ def test_a_node_s_buffer_keeps_the_members_order_whichever_it_got_summed():
     one_replica = node_buffer([[a[0]], summed, [c[0]]])
     np.testing.assert_array_equal(two_replicas.numpy(), [11, 22, 5, 6, 7, 300])
     np.testing.assert_array_equal(one_replica.numpy(), [1, 2, 5, 6, 7, 100])
+
+
+def test_a_large_slice_travels_in_pieces_no_larger_than_the_bound(monkeypatch):
+    monkeypatch.setattr(base, "PIECE_BYTES", 16)
+    graph, item = _node_graph(models.dense_mlp)
+    elements = sum(v.num_elements for v in item.trainable_variables)
+    sizes = slice_sizes(elements, 3)
+    enqueues = [op for op in graph.get_operations() if op.type == "QueueEnqueueV2"
+                and "_reduce_1_to_0" in op.inputs[0].op.name]
+    want = piece_sizes(sizes[0], 4)
+    assert len(want) > 1 and max(want) * 4 <= 16
+    assert sorted(op.inputs[1].shape.num_elements() for op in enqueues) == sorted(want)
+    # Each piece of this node's own slice is summed on its own.
+    sums = [op for op in graph.get_operations() if op.type == "AddN" and any(
+        i.op.type == "QueueDequeueV2" and "_reduce_" in i.op.name for i in op.inputs)]
+    assert len(sums) == len(piece_sizes(sizes[1], 4))
+
+
+def _free_ports(count: int) -> list:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("localhost", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def test_two_nodes_exchange_a_buffer_in_pieces_and_both_get_the_sum(monkeypatch):
+    """Two TensorFlow servers in this process stand for two nodes; each node's graph
+    is built for its own context, as every node builds its own, and run at once."""
+    monkeypatch.setattr(base, "PIECE_BYTES", 64)
+    cluster = tf.train.ClusterSpec({"worker": [f"localhost:{p}" for p in _free_ports(2)]})
+    servers = [tf.distribute.Server(cluster, "worker", task) for task in range(2)]
+    nodes = tuple(f"/job:worker/task:{task}/device:CPU:0" for task in range(2))
+    replicas = ("10.0.0.1:CPU:0", "10.0.0.2:CPU:0")
+    values = [np.arange(101, dtype=np.float32) * (task + 1) for task in range(2)]
+    graphs, results = [], {}
+    for task in range(2):
+        ctx = KernelContext(replica_devices=(replicas[task],), tf_devices=dict(zip(replicas, nodes)),
+                            shared_device=nodes[task], chief_device=nodes[0], node_index=task,
+                            num_nodes=2, group_size=2, all_replicas=replicas, node_devices=nodes,
+                            has_remote_ops=True)
+        with tf.Graph().as_default() as graph:
+            with tf.device(nodes[task]):
+                buffer = tf.constant(values[task])
+            total, sends = sum_across_nodes(buffer, 7, ctx)
+            graphs.append((graph, total, sends))
+    sent = [len(sends) for _, _, sends in graphs]
+    assert sent == [2 * len(piece_sizes(50, 4))] * 2  # 101 elements: slices of 51 and 50
+
+    def run(task):
+        graph, total, sends = graphs[task]
+        with tf.compat.v1.Session(servers[task].target, graph=graph) as sess:
+            results[task] = sess.run([total, sends])[0]
+
+    threads = [threading.Thread(target=run, args=(task,)) for task in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    for task in range(2):
+        np.testing.assert_array_equal(results[task], values[0] + values[1])
+
+
+def test_a_value_carried_to_another_device_goes_in_pieces(monkeypatch):
+    monkeypatch.setattr(base, "PIECE_BYTES", 40)
+    with tf.Graph().as_default() as graph:
+        value = tf.reshape(tf.range(60, dtype=tf.float32), [6, 10])
+        moved = base.carried(value, "/device:CPU:0", "/device:CPU:1")
+        small = tf.constant([1.0, 2.0])
+        assert base.carried(small, "/device:CPU:0", "/device:CPU:1") is small
+        split = [op for op in graph.get_operations() if op.type == "SplitV"]
+        assert len(split) == 1 and len(split[0].outputs) == 6  # 60 floats, 10 per piece
+        assert split[0].device == "/device:CPU:0" and moved.op.inputs[0].op.device == "/device:CPU:1"
+        config = tf.compat.v1.ConfigProto(device_count={"CPU": 2})
+        with tf.compat.v1.Session(graph=graph, config=config) as sess:
+            np.testing.assert_array_equal(*sess.run([moved, value]))

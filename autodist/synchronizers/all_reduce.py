@@ -37,7 +37,7 @@ from autodist.synchronizers.base import (COLLECTIVE_GROUP_KEY, RING_SUBDIVISIONS
                                          balanced_groups,
                                          collective_numbers, dense_by_dtype, draw_group_count,
                                          draw_share, flatten, launch_order, most_groups,
-                                         unflatten)
+                                         carried, unflatten)
 from autodist.synchronizers.compressor import LOSSY, compressor_class
 
 _CONFIG = synchronizers_pb2.AllReduceSynchronizer
@@ -241,7 +241,8 @@ def create_all_reduce_storage(name: str, initial_value: tf.Tensor, ctx: KernelCo
     if ctx.multi_node:
         with tf.device(ctx.chief_device):
             origin = tf.Variable(initial_value, trainable=False, name=f"{name}/origin")
-        initial_value = origin.read_value()
+            start = origin.read_value()
+        initial_value = carried(start, ctx.chief_device, ctx.shared_device)
     with tf.device(ctx.shared_device):
         return tf.Variable(initial_value, name=name), origin
 

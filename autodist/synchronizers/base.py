@@ -537,6 +537,40 @@ def stash(name: str, contribution, ctx: KernelContext):
         return values_var.assign(contribution, read_value=False), values_var.read_value()
 
 
+PIECE_BYTES = 64 << 20
+"""The most bytes one tensor carries from node to node. TensorFlow's gRPC transport
+holds a whole message beside the tensor it is received into, so a tensor sent
+whole costs its receiver twice its bytes for a while; large ones go in pieces."""
+
+
+def slice_sizes(size: int, count: int) -> List[int]:
+    """Elements of each of ``count`` slices of a buffer of ``size``: as even as can
+    be, the first ``size % count`` slices one larger (a slice may be empty)."""
+    base, extra = divmod(size, count)
+    return [base + (index < extra) for index in range(count)]
+
+
+def piece_sizes(size: int, itemsize: int) -> List[int]:
+    """Elements of each piece a buffer of ``size`` elements of ``itemsize`` bytes
+    travels in: as few as ``PIECE_BYTES`` allows (one for an empty buffer)."""
+    most = max(1, PIECE_BYTES // itemsize)
+    return slice_sizes(size, max(1, -(-size // most)))
+
+
+def carried(value: tf.Tensor, source: str, target: str) -> tf.Tensor:
+    """``value``, computed on device ``source``, as a tensor on device ``target``,
+    sent in pieces of at most ``PIECE_BYTES`` (one piece when it is that small or its
+    shape is not fully known)."""
+    if not value.shape.is_fully_defined() or \
+            value.shape.num_elements() * value.dtype.size <= PIECE_BYTES:
+        return value
+    with tf.device(source):
+        pieces = tf.split(tf.reshape(value, [-1]),
+                          piece_sizes(value.shape.num_elements(), value.dtype.size))
+    with tf.device(target):
+        return tf.reshape(tf.concat(pieces, 0), value.shape)
+
+
 def dense_by_dtype(members: list) -> list:
     """The indices of a group's dense members, one list per dtype in the members' order:
     one buffer, and so one reduce, per dtype."""

@@ -5,7 +5,7 @@ gradients, cuts the sum into one slice per node, and enqueues slice ``j`` into
 a queue on node ``j``. Node ``j`` sums the slices it receives, in node order
 (so the sum is the same on every run), and enqueues that sum into a queue on
 every other node, which concatenates the sums it receives. Every node sends and receives ``2 (n - 1) / n`` of the buffer, as in
-a ring, but in two hops.
+a ring, but in two hops. A large slice goes in pieces, each summed on arrival.
 
 The tensors travel by TensorFlow's send/recv, the path a parameter server's
 gradients take, which copies less per byte than the collective ring's
@@ -18,22 +18,16 @@ parameter server's ops.
 from __future__ import annotations
 
 import itertools
-from typing import List, Tuple
+from typing import Tuple
 
 import numpy as np
 import tensorflow as tf
 
 from autodist.kernel_context import KernelContext
 from autodist.network import ClusterView, seconds
-from autodist.synchronizers.base import CollectiveKeys, dense_by_dtype, flatten, stash, unflatten
+from autodist.synchronizers.base import (CollectiveKeys, dense_by_dtype, flatten, piece_sizes,
+                                         slice_sizes, stash, unflatten)
 from autodist.synchronizers.compressor import compressor_class
-
-
-def slice_sizes(size: int, num_nodes: int) -> List[int]:
-    """Elements of each node's slice of a buffer of ``size``: as even as can be, the
-    first ``size % num_nodes`` slices one larger (a slice may be empty)."""
-    base, extra = divmod(size, num_nodes)
-    return [base + (node < extra) for node in range(num_nodes)]
 
 
 def transfer_seconds(wire_bytes: np.ndarray, cluster: ClusterView) -> np.ndarray:
@@ -52,10 +46,13 @@ def transfer_seconds(wire_bytes: np.ndarray, cluster: ClusterView) -> np.ndarray
 
 
 def _queue(key: int, phase: str, source: int, target: int, dtypes: list,
-           shapes=None) -> tf.queue.FIFOQueue:
-    """The queue carrying ``phase``'s tensors of group ``key`` from node ``source`` to
-    ``target``; every node names it alike, so all of them reach the same one."""
+           shapes=None, piece: int = 0) -> tf.queue.FIFOQueue:
+    """The queue carrying piece ``piece`` of ``phase``'s tensors of group ``key`` from
+    node ``source`` to ``target``; every node names it alike, so all of them reach the
+    same one."""
     name = f"autodist_scatter_gather_{key}_{phase}_{source}_to_{target}"
+    if piece:
+        name += f"_piece{piece}"
     return tf.queue.FIFOQueue(capacity=-1, dtypes=dtypes, shapes=shapes, shared_name=name,
                               name=name)
 
@@ -63,6 +60,9 @@ def _queue(key: int, phase: str, source: int, target: int, dtypes: list,
 def sum_across_nodes(buffer: tf.Tensor, key: int,
                      ctx: KernelContext) -> Tuple[tf.Tensor, list]:
     """Every node's ``buffer`` (a flat dense tensor of this node) summed, on this node.
+
+    A large slice travels and is summed in pieces of at most ``PIECE_BYTES``, each
+    through its own queue (``base.carried`` says why).
 
     Args:
         key: the group's key, the same on every node.
@@ -75,29 +75,36 @@ def sum_across_nodes(buffer: tf.Tensor, key: int,
     if n == 1:
         with tf.device(ctx.shared_device):
             return buffer, []
-    sizes = slice_sizes(buffer.shape.num_elements(), n)
+    pieces = [piece_sizes(size, buffer.dtype.size)
+              for size in slice_sizes(buffer.shape.num_elements(), n)]
     with tf.device(ctx.shared_device):
-        slices = tf.split(buffer, sizes)
+        flat = tf.split(buffer, [size for sizes in pieces for size in sizes])
+    cuts = list(itertools.accumulate([0] + [len(sizes) for sizes in pieces]))
+    slices = [flat[cuts[node]:cuts[node + 1]] for node in range(n)]
+
+    def queue(phase, piece, source, target, size):
+        return _queue(key, phase, source, target, [buffer.dtype], [[size]], piece)
+
     sends = []
     for node in range(n):
         if node != me:
             with tf.device(ctx.nodes[node]):
-                sends.append(_queue(key, "reduce", me, node, [buffer.dtype], [[sizes[node]]])
-                             .enqueue(slices[node]))
+                sends.extend(queue("reduce", k, me, node, size).enqueue(piece)
+                             for k, (piece, size) in enumerate(zip(slices[node], pieces[node])))
     with tf.device(ctx.shared_device):
-        mine = tf.add_n([slices[me] if node == me else
-                         _queue(key, "reduce", node, me, [buffer.dtype], [[sizes[me]]]).dequeue()
-                         for node in range(n)])
+        mine = [tf.add_n([piece if node == me else queue("reduce", k, node, me, size).dequeue()
+                          for node in range(n)])
+                for k, (piece, size) in enumerate(zip(slices[me], pieces[me]))]
     for node in range(n):
         if node != me:
             with tf.device(ctx.nodes[node]):
-                sends.append(_queue(key, "gather", me, node, [buffer.dtype], [[sizes[me]]])
-                             .enqueue(mine))
+                sends.extend(queue("gather", k, me, node, size).enqueue(piece)
+                             for k, (piece, size) in enumerate(zip(mine, pieces[me])))
     with tf.device(ctx.shared_device):
-        mean = tf.concat([mine if node == me else
-                          _queue(key, "gather", node, me, [buffer.dtype],
-                                 [[sizes[node]]]).dequeue()
-                          for node in range(n)], 0)
+        mean = tf.concat([piece for node in range(n) for piece in
+                          (mine if node == me else
+                           [queue("gather", k, node, me, size).dequeue()
+                            for k, size in enumerate(pieces[node])])], 0)
     return mean, sends
 
 
