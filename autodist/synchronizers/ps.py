@@ -500,7 +500,8 @@ def _has_proxies(sync, split_step: bool) -> bool:
 
 
 def reduce_ps_gradients(grads: list, sync, ctx: KernelContext):
-    """Adds the replicas' contributions to one part's gradient up on its destination.
+    """Adds the replicas' contributions to one part's gradient up on its destination
+    (or, where they come summed per node already, adds the nodes' sums there).
 
     Args:
         grads: this node's contributions, dense tensors or IndexedSlices: one per
