@@ -41,6 +41,8 @@ class StuckStepError(RuntimeError):
             f"{bound:.0f} s: {STUCK_FACTOR:g} times the median step, at least "
             f"{STUCK_MIN_S:g} s); nodes still in it: {nodes}. Nodes that cannot reach each "
             "other (a network partition) or a node stuck in its step; stopping the job.")
+
+
 @functools.lru_cache(maxsize=None)
 def heap_trimmer() -> Optional[Callable[[], None]]:
     """glibc's ``malloc_trim(0)``, which hands the C heap's free pages back to the
