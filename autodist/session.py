@@ -124,12 +124,12 @@ class DistributedSession:
         self._step_seconds = []  # the latest updating runs' durations
         self._steps_done = 0  # training runs, accumulating ones included
         self._runs_of = [0] * len(distributed.updates)  # per optimizer call, its training runs
-        self._trim_heap = heap_trimmer() if distributed.ctx.multi_node else None
+        # Only a session spanning nodes receives through gRPC: nothing to trim on one node.
+        self._trim_heap = (distributed.ctx.multi_node and heap_trimmer()) or (lambda: None)
         self._session = self._watched(tf.compat.v1.Session, target=target, graph=self._graph,
                                       config=config)
         self._watched(self._initialize, init_timeout)
-        if self._trim_heap is not None:
-            self._trim_heap()
+        self._trim_heap()
 
     def _watched(self, function, *args, stuck_after: Optional[float] = None, **kwargs):
         """Calls ``function``; with a monitor, in a thread so a failure elsewhere aborts it.
@@ -197,8 +197,7 @@ class DistributedSession:
         call once every node has initialized."""
         if self._distributed.release_after_start is not None:
             self._session.run(self._distributed.release_after_start)
-            if self._trim_heap is not None:
-                self._trim_heap()
+            self._trim_heap()
 
     def _initial_value_feeds(self) -> dict:
         """The starting values held outside the graph, for the placeholders of them
@@ -257,8 +256,7 @@ class DistributedSession:
         if seconds:
             left = None if bound is None else max(0.0, bound - (time.monotonic() - started))
             self._watched(self._session.run, seconds, stuck_after=left)
-        if self._trim_heap is not None:
-            self._trim_heap()
+        self._trim_heap()
         for index in trained:
             self._runs_of[index] += 1
         if trained:

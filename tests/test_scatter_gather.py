@@ -164,8 +164,8 @@ def test_two_nodes_exchange_a_buffer_in_pieces_and_both_get_the_sum(monkeypatch)
     values = [np.arange(101, dtype=np.float32) * (task + 1) for task in range(2)]
     graphs, results = [], {}
     for task in range(2):
-        ctx = KernelContext(replica_devices=(replicas[task],), tf_devices=dict(zip(replicas, nodes)),
-                            shared_device=nodes[task], chief_device=nodes[0], node_index=task,
+        ctx = KernelContext(replica_devices=(replicas[task],),
+                            tf_devices=dict(zip(replicas, nodes)), shared_device=nodes[task], chief_device=nodes[0], node_index=task,
                             num_nodes=2, group_size=2, all_replicas=replicas, node_devices=nodes,
                             has_remote_ops=True)
         with tf.Graph().as_default() as graph:
@@ -199,7 +199,8 @@ def test_a_value_carried_to_another_device_goes_in_pieces(monkeypatch):
         assert base.carried(small, "/device:CPU:0", "/device:CPU:1") is small
         split = [op for op in graph.get_operations() if op.type == "SplitV"]
         assert len(split) == 1 and len(split[0].outputs) == 6  # 60 floats, 10 per piece
-        assert split[0].device == "/device:CPU:0" and moved.op.inputs[0].op.device == "/device:CPU:1"
+        assert split[0].device == "/device:CPU:0"
+        assert moved.op.inputs[0].op.device == "/device:CPU:1"
         config = tf.compat.v1.ConfigProto(device_count={"CPU": 2})
         with tf.compat.v1.Session(graph=graph, config=config) as sess:
             np.testing.assert_array_equal(*sess.run([moved, value]))
