@@ -24,11 +24,13 @@ compiling, rewriting, initializing); the whole run; the median of steps 2-8;
 the peak resident memory (``VmHWM``, taken before the weights are saved);
 and the largest difference of any trained weight from the reference's.
 
-The goals (issue 30), checked at every size: the first step at most the
-reference's plus 10 s; peak memory at most the reference's plus one copy of
-the training state (weights and slots) plus 512 MB; the whole ``fit`` at most
+The goals (issue 30), checked at every size. On one node with two replicas:
+the first step at most the reference's plus 10 s; the whole ``fit`` at most
 2x plain Keras's from 256 MB on; ``ad.function``'s later calls within 1.2x of
-``fit``'s later steps; the trained weights equal to the reference's.
+``fit``'s later steps. On every run and every node: peak memory at most the
+reference's plus one copy of the training state (weights and slots) plus
+512 MB, and the trained weights equal to the reference's. The two-node first
+step is shown beside the goals (the issue asks equal weights and memory of it).
 
 Usage:
     python benchmarks/model_scale.py          # 16 MB, 256 MB, 1 GB, 3 GB; writes docs
@@ -488,19 +490,26 @@ def goals(rows: list) -> list:
         where = f"{row['megabytes']:g} MB, {row['case'].table} `{row['case'].system}`"
         return f"worst {describe(value)} ({where})", value <= limit
 
-    first = [(r["first_step"] - _reference(rows, r)["first_step"], r) for r in autodist]
+    # Issue 30's time goals are for one node with two replicas (its table); of the
+    # two-node run it asks equal weights and memory, and its start-up is shown apart.
+    judged = [r for r in autodist if r["case"].judged_for_speed]
+    first = [(r["first_step"] - _reference(rows, r)["first_step"], r) for r in judged]
     out.append((f"first step <= the reference's + {FIRST_STEP_ALLOWANCE_S:g} s",
                 *worst(first, lambda v: f"{v:+.1f} s", FIRST_STEP_ALLOWANCE_S)))
-    start = [(_start_up(r) - _start_up(_reference(rows, r)), r) for r in autodist]
+    start = [(_start_up(r) - _start_up(_reference(rows, r)), r) for r in judged]
     out.append((f"build + first step <= the reference's + {FIRST_STEP_ALLOWANCE_S:g} s",
                 *worst(start, lambda v: f"{v:+.1f} s", FIRST_STEP_ALLOWANCE_S)))
+    nodes = [(r["first_step"] - _reference(rows, r)["first_step"], r) for r in autodist
+             if r["case"].nodes > 1]
+    out.append(("first step on two nodes (shown, not a goal: the worker's start and its "
+                "copy of the weights)", worst(nodes, lambda v: f"{v:+.1f} s", math.inf)[0],
+                None))
     memory = [(r["peak_rss_gb"] - memory_bound_gb(rows, r), r) for r in autodist]
     out.append((f"peak RSS <= the reference's + one copy of the training state + "
                 f"{MEMORY_ALLOWANCE_GB * 1024:.0f} MB (every node)",
                 *worst(memory, lambda v: f"{v:+.2f} GB from the bound", 0.0)))
-    fit = [(r["run"] / _reference(rows, r)["run"], r) for r in autodist
-           if r["case"].table == "fit" and r["case"].judged_for_speed
-           and r["megabytes"] >= FIT_RATIO_FROM_MB]
+    fit = [(r["run"] / _reference(rows, r)["run"], r) for r in judged
+           if r["case"].table == "fit" and r["megabytes"] >= FIT_RATIO_FROM_MB]
     out.append((f"`fit` <= {FIT_RATIO:g}x plain Keras's from {FIT_RATIO_FROM_MB} MB",
                 *worst(fit, lambda v: f"{v:.2f}x", FIT_RATIO)))
     loop = []
