@@ -494,7 +494,8 @@ def goals(rows: list) -> list:
     # two-node run it asks equal weights and memory, and its start-up is shown apart.
     judged = [r for r in autodist if r["case"].judged_for_speed]
     first = [(r["first_step"] - _reference(rows, r)["first_step"], r) for r in judged]
-    out.append((f"first step <= the reference's + {FIRST_STEP_ALLOWANCE_S:g} s (one node, two replicas)",
+    out.append((f"first step <= the reference's + {FIRST_STEP_ALLOWANCE_S:g} s "
+                "(one node, two replicas)",
                 *worst(first, lambda v: f"{v:+.1f} s", FIRST_STEP_ALLOWANCE_S)))
     start = [(_start_up(r) - _start_up(_reference(rows, r)), r) for r in judged]
     out.append((f"build + first step <= the reference's + {FIRST_STEP_ALLOWANCE_S:g} s "
@@ -511,7 +512,8 @@ def goals(rows: list) -> list:
                 *worst(memory, lambda v: f"{v:+.2f} GB from the bound", 0.0)))
     fit = [(r["run"] / _reference(rows, r)["run"], r) for r in judged
            if r["case"].table == "fit" and r["megabytes"] >= FIT_RATIO_FROM_MB]
-    out.append((f"`fit` <= {FIT_RATIO:g}x plain Keras's from {FIT_RATIO_FROM_MB} MB (one node, two replicas)",
+    out.append((f"`fit` <= {FIT_RATIO:g}x plain Keras's from {FIT_RATIO_FROM_MB} MB "
+                "(one node, two replicas)",
                 *worst(fit, lambda v: f"{v:.2f}x", FIT_RATIO)))
     loop = []
     for r in autodist:
