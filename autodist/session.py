@@ -285,7 +285,33 @@ class DistributedSession:
     def __exit__(self, *exc):
         self.close()
 
+    def built_after(self, fetches: list, build: Callable[[], list]) -> Optional[list]:
+        """What ``build()`` makes in the distributed graph, to fetch in a run of ``fetches``
+        after all they run: their training and their writes.
+
+        Returns:
+            the tensors built, or None when a run of ``fetches`` does not end the
+            step (gradient accumulation, a step in two runs): fetch such reads
+            in a run of their own.
+        """
+        mapped = [self._map_fetch(fetch) for fetch in fetches]
+        ids = {id(element) for element in mapped}
+        if any(id(update.train_op) in ids
+               and (update.accumulate_ops or update.remote_step_op is not None)
+               for update in self._distributed.updates):
+            return None
+        with self._graph.as_default(), tf.device(self._distributed.ctx.shared_device):
+            # A new op waits for them: control_dependencies would mark each (an
+            # attribute) after the session ran the graph, which TensorFlow warns about.
+            after = tf.no_op(name="autodist_after_step")
+            _tf_compat.add_control_inputs(after, [
+                element.op if isinstance(element, tf.Tensor) else element for element in mapped])
+            with tf.control_dependencies([after]):
+                return build()
+
     def _map_fetch(self, fetch):
+        if getattr(fetch, "graph", None) is self._graph:
+            return fetch  # built in the distributed graph (``built_after``)
         name = _element_name(fetch)
         if name not in self._cache:
             # Ops combining replicas stay on this node (a step must not reach others).

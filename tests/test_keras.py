@@ -396,6 +396,27 @@ def test_function_copying_back_on_request_leaves_the_model_until_asked(spec_path
     assert np.abs(layer.kernel.numpy()).max() < 0.05  # one Adam step from zero, not onwards
 
 
+def test_a_step_brings_its_small_state_back_in_its_own_session_run(spec_path, monkeypatch):
+    """The optimizer's iteration count (small state, copied after every call) comes back
+    in the step's own run: with the weights left in AutoDist, a call is one session run."""
+    ad = AutoDist(resource_spec_file=spec_path, strategy_builder=AllReduce())
+    with ad.scope():
+        model = km.build("mlp")
+        optimizer = keras.optimizers.SGD(0.05)
+        step = ad.function(km.make_train_step(model, optimizer, km.loss("mlp")),
+                           copy_back="on_request")
+    batches = list(km.batches(*km.data("mlp")))
+    step(*batches[0])
+    session, runs = step.step.session.tf_session, []
+    run = session.run
+    monkeypatch.setattr(session, "run", lambda *args, **kwargs: runs.append(args) or run(
+        *args, **kwargs))
+    for calls, batch in enumerate(batches[1:], start=2):
+        step(*batch)
+        assert len(runs) == calls - 1
+        assert int(optimizer.iterations.numpy()) == calls
+
+
 def test_function_refuses_an_unknown_copy_back(spec_path):
     ad = AutoDist(resource_spec_file=spec_path)
     with pytest.raises(ValueError, match=r"copy_back must be one of \['every_call', "
@@ -933,18 +954,26 @@ def test_a_steps_graph_holds_no_weight_values_which_initialization_feeds(spec_pa
 
 def test_variables_of_few_bytes_are_read_and_assigned_in_one_call():
     """The small state AutoDist copies at every step (metrics, the optimizer's
-    scalars) goes through one traced call each way, also where a graph is the default."""
+    scalars) goes through one traced call each way, its values packed one flat
+    tensor per dtype, also where a graph is the default."""
     rate, counts, label = tf.Variable(0.1), tf.Variable([1, 2], dtype=tf.int64), tf.Variable(b"a")
-    together = EagerVariables([rate, counts, label])
+    matrix = tf.Variable(np.zeros((2, 3), np.float32))
+    together = EagerVariables([rate, counts, label, matrix])
+    grid = np.arange(6, dtype=np.float32).reshape(2, 3)
     with tf.Graph().as_default():
-        together.assign([np.float32(0.5), np.array([3, 4]), np.array(b"b", dtype=object)])
+        together.assign([np.float32(0.5), np.array([3, 4]), np.array(b"b", dtype=object), grid])
         values = together.read()
     assert (rate.numpy(), counts.numpy().tolist(), label.numpy()) == (0.5, [3, 4], b"b")
+    np.testing.assert_array_equal(matrix.numpy(), grid)
+    np.testing.assert_array_equal(values[3], grid)
     rate.assign(0.7)
     assert values[0] == 0.5  # an array of its own
-    together.assign([np.float32(0.25), np.array([5, 6]), np.array(b"c", dtype=object)])
+    together.assign([np.float32(0.25), np.array([5, 6]), np.array(b"c", dtype=object), -grid])
     assert together.read()[0] == 0.25
-    assert together._assign.experimental_get_tracing_count() == 1  # pylint: disable=protected-access
+    np.testing.assert_array_equal(matrix.numpy(), -grid)
+    # float32, int64, string: three packed arguments for four variables
+    packed_arguments = together._assign.structured_input_signature[0]  # pylint: disable=protected-access
+    assert len(packed_arguments) == 3
 
 
 def test_a_step_restores_only_the_small_state_keras_code_changed(spec_path, monkeypatch):
@@ -965,7 +994,7 @@ def test_a_step_restores_only_the_small_state_keras_code_changed(spec_path, monk
     optimizer.learning_rate.assign(float("nan"))
     distributed.copy_from_eager_if_changed(weights=False, slots=False)
     assert len(runs) == 1
-    distributed.copy_to_eager(weights=False, slots=False)
+    step(*batches[1])  # copies the small state back: the NaN
     runs.clear()
     distributed.copy_from_eager_if_changed(weights=False, slots=False)
     assert runs == []  # a NaN equals the NaN copied

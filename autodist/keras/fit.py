@@ -15,6 +15,7 @@ import inspect
 from typing import Callable, Optional
 
 import keras
+import tensorflow as tf
 
 from autodist import _keras_compat
 from autodist.keras import saving
@@ -104,8 +105,7 @@ class _FitRunner:
         self._open_session = open_session
         self._replicas = replicas
         self._step: Optional[DistributedStep] = None  # the step that ran last
-        self._compiled = _keras_compat.compile_state(model)  # what the steps were traced for
-        self._steps = self._new_steps()
+        self._trace_for_compile_state()
         self._stale = False  # trained values not yet copied into the model
         self._slots_stale = False  # the optimizer's slots not yet copied
         self._in_fit = False  # else a step is train_on_batch's, copied back at once
@@ -115,12 +115,15 @@ class _FitRunner:
     def step(self) -> Optional[DistributedStep]:
         return self._step
 
-    def _new_steps(self) -> StepCache:
-        """Steps for the model as compiled now: one per structure of the data (see
-        ``StepCache``), traced without autograph, as Keras traces ``train_step``."""
-        return StepCache(self._model.train_step, self._replicas,
-                         lambda lifted: DistributedStep(lifted, self._open_session(lifted)),
-                         autograph=False)
+    def _trace_for_compile_state(self) -> None:
+        """Starts the steps for the model as compiled now: one per structure of the data
+        (see ``StepCache``), traced without autograph, as Keras traces ``train_step``;
+        and the logs' metric results, computed in one traced call as in Keras's step."""
+        self._compiled = _keras_compat.compile_state(self._model)
+        self._steps = StepCache(self._model.train_step, self._replicas,
+                                lambda lifted: DistributedStep(lifted, self._open_session(lifted)),
+                                autograph=False)
+        self._metrics_result = tf.function(self._model.get_metrics_result)
 
     def fit(self, *args, **kwargs):
         """``model.fit``, with a callback that copies the trained values back first."""
@@ -154,8 +157,8 @@ class _FitRunner:
             # from the values trained so far.
             if self._step is not None:
                 self.copy_to_model()
-            self._compiled = _keras_compat.compile_state(self._model)
-            self._step, self._steps = None, self._new_steps()
+            self._step = None
+            self._trace_for_compile_state()
         if self._step is not None:
             self._step.copy_from_eager_if_changed()
         self._model.train_function = self.train_function
@@ -179,10 +182,9 @@ class _FitRunner:
         self._keras_code_ran = False
         outputs = step.run((data,))
         self._stale = self._slots_stale = True
-        step.copy_to_eager(weights=False, slots=False)
         if not self._in_fit:
             self.copy_to_model()
-        return _logs(outputs, self._model.get_metrics_result())
+        return _logs(outputs, self._metrics_result())
 
     def keras_code_runs(self) -> None:
         """Keras code runs before the next step: it may change the small state."""

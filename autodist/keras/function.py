@@ -80,6 +80,21 @@ class DistributedStep:
         self._few_bytes = {id(v) for v in lifted.variables.values() if _few_bytes(v)}
         self._batches = {}  # ids of variables of few bytes -> their EagerVariables
         self._fetch_outputs = [o for o in lifted.outputs if isinstance(o, tf.Tensor)]
+        self._step_fetches = [lifted.item.optimizer_calls[0].result_op_name, STATE_OP]
+        # The small state is read in the step's own run, after its writes, where that
+        # run ends the step; else (gradient accumulation), and for a deferred
+        # variable (``_copy``), in a run of its own.
+        small = [(variable, tensor) for variable, tensor in self._reads
+                 if id(variable) in self._small]
+        in_step = [variable for variable, _ in small if not isinstance(variable, DeferredVariable)]
+        reads = session.built_after(self._step_fetches,
+                                    functools.partial(self._reads_again, in_step))
+        if reads is None:
+            in_step, reads = [], []
+        self._small_reads = list(zip(in_step, reads))
+        read_in_step = set(map(id, in_step))
+        self._small_reads_alone = [(variable, tensor) for variable, tensor in small
+                                   if id(variable) not in read_in_step]
 
     @property
     def session(self) -> DistributedSession:
@@ -88,15 +103,29 @@ class DistributedStep:
     def run(self, args: tuple):
         """One training step on the global batch ``args``; returns the step's outputs.
 
+        The small state (what the forward pass writes, the optimizer's scalars)
+        is copied into the eager variables before it returns.
+
         Args:
             args: the step's arguments, as traced.
         """
         values = [a for a in tf.nest.flatten(args) if not is_static(a)]
         feeds = dict(zip(self._lifted.inputs, [_as_numpy(v) for v in values]))
-        fetches = [self._lifted.item.optimizer_calls[0].result_op_name, STATE_OP]
-        results = iter(self._session.run(fetches + self._fetch_outputs, feed_dict=feeds)[2:])
+        fused = [tensor for _, tensor in self._small_reads]
+        fetched = self._session.run(self._step_fetches + self._fetch_outputs + fused,
+                                    feed_dict=feeds)
+        outputs = fetched[len(self._step_fetches):len(fetched) - len(fused)]
+        self._assign_fetched([variable for variable, _ in self._small_reads],
+                             fetched[len(fetched) - len(fused):])
+        self._copy(self._small_reads_alone)
+        results = iter(outputs)
         flat = [next(results) if isinstance(o, tf.Tensor) else o for o in self._lifted.outputs]
         return tf.nest.pack_sequence_as(self._lifted.structure, flat)
+
+    def _reads_again(self, variables: list) -> list:
+        """New reads of the (readable) ``variables``' values in AutoDist's graph."""
+        with tf.device(self._session.distributed.ctx.shared_device):
+            return [self._locations[id(variable)].value() for variable in variables]
 
     def _selected(self, variable, weights: bool, slots: bool) -> bool:
         """Whether a copy covering ``weights`` and ``slots`` (small state always) takes it."""
@@ -105,19 +134,22 @@ class DistributedStep:
         return slots if id(variable) in self._slots else weights
 
     def copy_to_eager(self, weights: bool = True, slots: bool = True) -> None:
-        """Copies AutoDist's values into the eager variables.
-
-        The small state (what the forward pass writes, the optimizer's scalars)
-        is always copied.
+        """Copies AutoDist's weights, optimizer slots or both into the eager variables
+        (``run`` copies the small state).
 
         Args:
-            weights: also copy the model's weights.
-            slots: also copy the optimizer's slots.
+            weights: copy the model's weights.
+            slots: copy the optimizer's slots.
         """
-        reads = []
-        for variable, tensor in self._reads:
-            if not self._selected(variable, weights, slots):
-                continue
+        self._copy([(variable, tensor) for variable, tensor in self._reads
+                    if id(variable) not in self._small
+                    and self._selected(variable, weights, slots)])
+
+    def _copy(self, reads: list) -> None:
+        """Copies the values of ``reads`` (eager variable, AutoDist's read) into the
+        eager variables; a deferred variable gets its value at its first use."""
+        fetched = []
+        for variable, tensor in reads:
             if getattr(variable, "deferred", False):
                 # No value yet (a table other nodes hold in parts): it gets AutoDist's at
                 # its first use, if any; fetching it now would put the whole table here.
@@ -125,15 +157,20 @@ class DistributedStep:
                                on_set=self._synced_now,
                                pieces=functools.partial(self._fetched_in_pieces, variable))
             else:
-                reads.append((variable, tensor))
-        values = self._session.tf_session.run([tensor for _, tensor in reads])
-        few = [(variable, np.asarray(value)) for (variable, _), value in zip(reads, values)
+                fetched.append((variable, tensor))
+        if fetched:
+            self._assign_fetched([variable for variable, _ in fetched],
+                                 self._session.tf_session.run([t for _, t in fetched]))
+
+    def _assign_fetched(self, variables: list, values: list) -> None:
+        """Assigns fetched ``values`` to the eager ``variables`` and records them as copied."""
+        few = [(variable, np.asarray(value)) for variable, value in zip(variables, values)
                if id(variable) in self._few_bytes]
         if few:
             self._batch([variable for variable, _ in few]).assign([value for _, value in few])
             for variable, value in few:
                 self._synced[id(variable)] = value  # what it holds; nothing else writes it
-        for (variable, _), value in zip(reads, values):
+        for variable, value in zip(variables, values):
             if id(variable) in self._few_bytes:
                 continue
             # Without the old snapshot the variable's buffer is its own, written in place
@@ -250,7 +287,8 @@ class DistributedFunction:
             step.copy_from_eager_if_changed()
         self._step = step
         outputs = step.run(args)
-        step.copy_to_eager(weights=self._every_call, slots=self._every_call)
+        if self._every_call:
+            step.copy_to_eager()
         self._stale = not self._every_call
         return outputs
 
