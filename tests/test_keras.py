@@ -972,8 +972,8 @@ def test_variables_of_few_bytes_are_read_and_assigned_in_one_call():
     assert together.read()[0] == 0.25
     np.testing.assert_array_equal(matrix.numpy(), -grid)
     # float32, int64, string: three packed arguments for four variables
-    packed_arguments = together._assign.structured_input_signature[0]  # pylint: disable=protected-access
-    assert len(packed_arguments) == 3
+    assign = together._assign  # pylint: disable=protected-access
+    assert len(assign.structured_input_signature[0]) == 3
 
 
 def test_a_step_restores_only_the_small_state_keras_code_changed(spec_path, monkeypatch):
