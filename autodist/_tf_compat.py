@@ -340,8 +340,9 @@ class EagerVariables:
         for index, variable in enumerate(self._variables):
             groups.setdefault(variable.dtype, []).append(index)
         self._groups = list(groups.items())
-        self._ends = [np.cumsum([v.shape.num_elements() for v in (self._variables[i] for i in
-                                                                  indices)]).tolist()
+        sizes = [v.shape.num_elements() for v in self._variables]
+        # per dtype, where each of its variables ends in the packed tensor
+        self._ends = [np.cumsum([sizes[i] for i in indices]).tolist()
                       for _, indices in self._groups]
         signature = [tf.TensorSpec([ends[-1]], dtype)
                      for (dtype, _), ends in zip(self._groups, self._ends)]

@@ -91,7 +91,7 @@ class DistributedStep:
                                     functools.partial(self._reads_again, in_step))
         if reads is None:
             in_step, reads = [], []
-        self._small_reads = list(zip(in_step, reads))
+        self._small_in_step, self._small_reads_in_step = in_step, reads
         read_in_step = set(map(id, in_step))
         self._small_reads_alone = [(variable, tensor) for variable, tensor in small
                                    if id(variable) not in read_in_step]
@@ -111,12 +111,12 @@ class DistributedStep:
         """
         values = [a for a in tf.nest.flatten(args) if not is_static(a)]
         feeds = dict(zip(self._lifted.inputs, [_as_numpy(v) for v in values]))
-        fused = [tensor for _, tensor in self._small_reads]
-        fetched = self._session.run(self._step_fetches + self._fetch_outputs + fused,
-                                    feed_dict=feeds)
-        outputs = fetched[len(self._step_fetches):len(fetched) - len(fused)]
-        self._assign_fetched([variable for variable, _ in self._small_reads],
-                             fetched[len(fetched) - len(fused):])
+        fetched = self._session.run(
+            self._step_fetches + self._fetch_outputs + self._small_reads_in_step,
+            feed_dict=feeds)
+        small_start = len(fetched) - len(self._small_reads_in_step)
+        outputs = fetched[len(self._step_fetches):small_start]
+        self._assign_fetched(self._small_in_step, fetched[small_start:])
         self._copy(self._small_reads_alone)
         results = iter(outputs)
         flat = [next(results) if isinstance(o, tf.Tensor) else o for o in self._lifted.outputs]
