@@ -219,7 +219,8 @@ class RankingSimulator:
                 tf.TensorSpec([], tf.float32)]
         self._score_fn = tf.function(self._net.call,
                                      input_signature=spec + [tf.TensorSpec([], tf.float32)])
-        self._train_fn = tf.function(self._train_step, input_signature=spec + [
+        self._train_fn = tf.function(self._train_steps, input_signature=[
+            tf.TensorSpec([], tf.int32)] + spec + [
             tf.TensorSpec([None], tf.float32), tf.TensorSpec([None, None], tf.float32),
             tf.TensorSpec([None, None], tf.float32)] + [tf.TensorSpec([], tf.float32)] * 4)
 
@@ -376,6 +377,13 @@ class RankingSimulator:
         self._optimizer.apply(tape.gradient(loss, variables), variables)
         return loss
 
+    def _train_steps(self, repeats, *batch):
+        """``repeats`` training steps on one batch (``_train_step``'s arguments); their losses."""
+        losses = tf.TensorArray(tf.float32, size=repeats)
+        for i in tf.range(repeats):
+            losses = losses.write(i, self._train_step(*batch))
+        return losses.stack()
+
     def fit(self, sequences: Sequence[np.ndarray], measured_times: Sequence[float], *,
             prior_values: Optional[Sequence[float]] = None, epochs: int = 300,
             learning_rate: float = 3e-3, temperature: float = 0.1, anchor_weight: float = 0.1,
@@ -480,18 +488,23 @@ class RankingSimulator:
         n = len(sequences)
         pairs = np.triu(np.ones((n, n), np.float32), 1)
         consts = [np.int32(norm.stride), np.float32(norm.sum_scale)]
+
+        def steps(idx: np.ndarray, repeats: int) -> np.ndarray:
+            sub = np.ix_(idx, idx)
+            return self._train_fn(np.int32(repeats), x[idx], mask[idx],
+                                  log_prior[idx].astype(np.float32), *consts,
+                                  log_time[idx].astype(np.float32), pairs[sub],
+                                  target[sub].astype(np.float32), *training.hyper).numpy()
+
+        if n <= training.batch_size:
+            # One batch, the same every epoch: all epochs in one call, as a
+            # call's overhead outweighs a step on a few dozen trials.
+            return [float(loss) for loss in steps(np.arange(n), training.epochs)]
         losses = []
         for _ in range(training.epochs):
-            order = rng.permutation(n) if n > training.batch_size else np.arange(n)
-            epoch_loss = []
-            for start in range(0, n, training.batch_size):
-                idx = order[start:start + training.batch_size]
-                sub = np.ix_(idx, idx)
-                epoch_loss.append(float(self._train_fn(
-                    x[idx], mask[idx], log_prior[idx].astype(np.float32), *consts,
-                    log_time[idx].astype(np.float32), pairs[sub],
-                    target[sub].astype(np.float32), *training.hyper)))
-            losses.append(float(np.mean(epoch_loss)))
+            order = rng.permutation(n)
+            losses.append(float(np.mean([steps(order[start:start + training.batch_size], 1)[0]
+                                         for start in range(0, n, training.batch_size)])))
         return losses
 
     def _validate_correction(self, sequences: List[np.ndarray], log_prior: np.ndarray,
