@@ -275,6 +275,24 @@ def test_minibatches_and_continued_training(data):
     assert second["loss"][-1] < first["loss"][0]
 
 
+def test_a_one_batch_training_runs_its_epochs_in_one_call_as_step_by_step(data):
+    train, train_times, _, _ = data
+    one_call, by_step = (RankingSimulator(NUM_FEATURES, units=8, seed=2) for _ in range(2))
+    calls = []
+    traced = one_call._train_fn
+    one_call._train_fn = lambda repeats, *batch: calls.append(int(repeats)) or traced(
+        repeats, *batch)
+    step = by_step._train_fn
+    by_step._train_fn = lambda repeats, *batch: tf.concat(
+        [step(np.int32(1), *batch) for _ in range(int(repeats))], axis=0)
+
+    got = one_call.fit(train[:6], train_times[:6], epochs=4)
+    want = by_step.fit(train[:6], train_times[:6], epochs=4)
+    assert calls == [4]  # no prior, so no cross-validation: one training, one call
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6)
+    np.testing.assert_allclose(one_call.score(train), by_step.score(train), rtol=1e-6)
+
+
 def test_save_load_round_trip(tmp_path, data, trained):
     _, _, held_out, _ = data
     sim, _ = trained
