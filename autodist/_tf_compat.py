@@ -4,8 +4,9 @@ What AutoDist needs that TensorFlow exposes no public hook for: capturing what a
 ``tf.compat.v1`` optimizer is asked to apply, re-using that optimizer's
 hyper-parameters (and finding its non-slot state and the op updating each
 variable) in the rewritten graph, a fast graph import, checkpoint entries
-whose saved value and restore are custom, and eager variables whose value comes
-at their first use (``DeferredVariable``).
+whose saved value and restore are custom, eager variables whose value comes
+at their first use (``DeferredVariable``), and the executor that runs a
+functional loop's body.
 """
 from __future__ import annotations
 
@@ -538,6 +539,45 @@ def import_graph_def(graph_def, input_map: dict, prefix: str) -> None:
         for c_op in graph.new_operations():
             op = tf.Operation._from_c_op(c_op=c_op, g=graph)
             graph._names_in_use.setdefault(op.name.lower(), 1)
+
+
+# The attribute TensorFlow's function runtime reads, from a function's
+# instantiation attributes, to choose the executor that runs it.
+_EXECUTOR_ATTR = "_executor"
+_SINGLE_THREADED_EXECUTOR = b"SINGLE_THREADED_EXECUTOR"
+# Ops that executor refuses (control-flow primitives) or that would bring them
+# or leave its one thread waiting: nested functional control flow and calls
+# (lowered or inlined when the body is instantiated), the sends and receives of
+# a body cut between devices, collectives (matched by prefix).
+_NOT_SINGLE_THREADED = frozenset({
+    "Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefEnter", "Exit", "RefExit",
+    "NextIteration", "RefNextIteration", "LoopCond", "ControlTrigger",
+    "While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase", "For",
+    "PartitionedCall", "StatefulPartitionedCall", "RemoteCall", "SymbolicGradient",
+    "_Send", "_Recv", "_HostSend", "_HostRecv", "Send", "Recv"})
+
+
+def single_threaded_functions(library) -> frozenset:
+    """Names of the FunctionDefLibrary's functions TF's single-threaded executor can run."""
+    defined = {function.signature.name for function in library.function}
+    return frozenset(
+        function.signature.name for function in library.function
+        if not any(node.op in _NOT_SINGLE_THREADED or node.op in defined
+                   or node.op.startswith("Collective") for node in function.node_def))
+
+
+def set_loop_executor(node, single_threaded: bool) -> None:
+    """Has a While NodeDef's condition and body run on TF's single-threaded executor, or not.
+
+    That executor runs a function's ops one after the other on the calling
+    thread; the default one hands every ready op to the inter-op thread pool.
+    """
+    for key in ("cond", "body"):
+        attrs = node.attr[key].func.attr
+        if single_threaded:
+            attrs[_EXECUTOR_ATTR].s = _SINGLE_THREADED_EXECUTOR
+        elif _EXECUTOR_ATTR in attrs:
+            del attrs[_EXECUTOR_ATTR]
 
 
 def record_checkpoint(saver: tf.compat.v1.train.Saver, path: str, save_dir: str,

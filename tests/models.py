@@ -9,6 +9,7 @@ built by the same call start from identical values. Every batch has
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Dict, List
 
 import keras
@@ -111,8 +112,11 @@ def embedding(optimizer_fn: OptimizerFn, seed: int = 0) -> Model:
     return Model(feeds, loss, _minimize(optimizer_fn, loss), [table, w])
 
 
-def rnn(optimizer_fn: OptimizerFn, seed: int = 0, steps: int = 5) -> Model:
-    """A tanh RNN unrolled by ``tf.while_loop`` with shared weights."""
+def rnn(optimizer_fn: OptimizerFn, seed: int = 0, steps: int = 5, body: str = "plain") -> Model:
+    """A tanh RNN unrolled by ``tf.while_loop`` with shared weights.
+
+    ``body``: "plain", or "cond": a ``tf.cond`` in the loop's body.
+    """
     tf1.set_random_seed(seed)
     rng = np.random.RandomState(seed)
     x = tf1.placeholder(tf.float32, [None, steps, 4], name="x")
@@ -123,11 +127,14 @@ def rnn(optimizer_fn: OptimizerFn, seed: int = 0, steps: int = 5) -> Model:
     wo = _get_variable("out/w", [6, 2], seed + 3)
     time_major = tf.transpose(x, [1, 0, 2])
 
-    def body(t, h):
-        return t + 1, tf.tanh(tf.matmul(time_major[t], wx) + tf.matmul(h, wh) + b)
+    def body_fn(t, h):
+        pre = tf.matmul(time_major[t], wx) + tf.matmul(h, wh) + b
+        if body == "cond":
+            pre = tf.cond(tf.equal(t % 2, 0), lambda: pre, lambda: 0.5 * pre)
+        return t + 1, tf.tanh(pre)
 
     h0 = tf.zeros(tf.stack([tf.shape(x)[0], 6]))
-    _, h = tf1.while_loop(lambda t, h: t < steps, body, [tf.constant(0), h0])
+    _, h = tf1.while_loop(lambda t, h: t < steps, body_fn, [tf.constant(0), h0])
     loss = tf.reduce_mean(tf.square(tf.matmul(h, wo) - y))
     feeds = {x: rng.randn(BATCH_SIZE, steps, 4).astype(np.float32),
              y: rng.randn(BATCH_SIZE, 2).astype(np.float32)}
@@ -260,3 +267,5 @@ MODELS = {
     "gathered": gathered,
     "two_dtypes": two_dtypes,
 }
+# The RNN with a loop body AutoDist runs differently (not in the builder matrix).
+LOOP_VARIANTS = {"rnn_with_cond": functools.partial(rnn, body="cond")}

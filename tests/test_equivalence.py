@@ -57,6 +57,7 @@ BUILDERS = {
     "AllReduce-collective": lambda: AllReduce(all_reduce_spec="AUTO"),
     "PartitionedAR-collective": lambda: PartitionedAR(all_reduce_spec="AUTO"),
 }
+MODELS = {**models.MODELS, **models.LOOP_VARIANTS}
 # With the sharded update too (its own equivalence matrix is test_sharded_update's),
 # for the features every kind must support.
 WITH_SHARDED_UPDATE = dict(BUILDERS, ShardedUpdateAR=ShardedUpdateAR)
@@ -68,7 +69,7 @@ WITH_SHARDED_UPDATE = dict(BUILDERS, ShardedUpdateAR=ShardedUpdateAR)
 def train_single(model: str, optimizer: str, steps: int = STEPS):
     """Single-device reference: (losses per step, initial values, final values)."""
     with tf.Graph().as_default():
-        built = models.MODELS[model](OPTIMIZERS[optimizer])
+        built = MODELS[model](OPTIMIZERS[optimizer])
         variables = [models.as_tf_variable(v) for v in built.variables]
         with tf1.Session() as sess:
             sess.run(tf1.global_variables_initializer())
@@ -82,7 +83,7 @@ def train_autodist(spec: str, builder, model: str, optimizer: str, steps: int = 
     """AutoDist run: (losses per step, final values, the strategy used, the distributed graph)."""
     ad = AutoDist(resource_spec_file=spec, strategy_builder=builder)
     with tf.Graph().as_default(), ad.scope():
-        built = models.MODELS[model](OPTIMIZERS[optimizer])
+        built = MODELS[model](OPTIMIZERS[optimizer])
         # Fetched as the user holds them: Keras variables for the Keras model.
         with ad.create_distributed_session() as sess:
             losses = [sess.run([built.loss, built.train_op], built.feeds)[0]
@@ -256,6 +257,31 @@ def test_a_sparse_part_does_not_lend_its_compressor_to_the_dense_ones(spec_path)
 
 
 # ----------------------------------------------------------------------------- fetches, staleness
+
+def _loops(distributed) -> dict:
+    """Each replica's functional loop in the distributed graph -> whether it runs on one thread."""
+    return {op.name: op.node_def.attr["body"].func.attr["_executor"].s
+            == b"SINGLE_THREADED_EXECUTOR" == op.node_def.attr["cond"].func.attr["_executor"].s
+            for op in distributed.graph.get_operations() if op.type in ("While", "StatelessWhile")}
+
+
+@pytest.mark.parametrize("model, single_threaded", [
+    ("rnn", {"AutoDist-Replica-0": True, "AutoDist-Replica-1": True}),
+    # The single-threaded executor cannot run the body's cond once lowered.
+    ("rnn_with_cond", {"AutoDist-Replica-0": False, "AutoDist-Replica-1": False}),
+])
+def test_a_replica_runs_its_loops_on_one_thread_where_it_can(spec_path, model, single_threaded):
+    want_losses, _, want = train_single(model, "adam")
+    losses, got, _, distributed = train_autodist(spec_path, AllReduce(), model, "adam")
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
+    loops = _loops(distributed)
+    # Per replica: the forward loop and its gradient's.
+    assert sorted(name.split("/")[0] for name in loops) == sorted(list(single_threaded) * 2)
+    for name, runs_alone in loops.items():
+        assert runs_alone == single_threaded[name.split("/")[0]], name
+
 
 @pytest.mark.parametrize("builder", ["PS", "AllReduce", "PartitionedAR"])
 @pytest.mark.parametrize("model", ["dense", "embedding"])
