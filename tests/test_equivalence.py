@@ -15,8 +15,13 @@ import pytest
 import tensorflow as tf
 
 import models
-from autodist import partition
+from autodist import _tf_compat, partition
 from autodist import AutoDist
+from autodist.graph_item import GraphItem
+from autodist.kernel_context import KernelContext
+from autodist.kernels.transformer import transform
+from autodist.resource_spec import ResourceSpec
+from autodist.strategy.compiler import compile_strategy
 from autodist.strategy import (PS, AllReduce, Parallax, PartitionedAR, PartitionedPS,
                                PSLoadBalancing, RandomAxisPartitionAR, ShardedUpdateAR,
                                Strategy, UnevenPartitionedPS)
@@ -281,6 +286,26 @@ def test_a_replica_runs_its_loops_on_one_thread_where_it_can(spec_path, model, s
     assert sorted(name.split("/")[0] for name in loops) == sorted(list(single_threaded) * 2)
     for name, runs_alone in loops.items():
         assert runs_alone == single_threaded[name.split("/")[0]], name
+
+
+def test_the_loops_of_gpu_replicas_keep_the_default_executor():
+    # The single-threaded executor supports no device context but the CPU's. The graph
+    # is only built: this machine has no GPU to run it.
+    calls = []
+    with tf.Graph().as_default() as graph, _tf_compat.capture_apply_gradients(calls.append):
+        models.rnn(OPTIMIZERS["sgd"])
+    item = GraphItem(graph, calls)
+    spec = ResourceSpec.from_dict({"nodes": [{"address": "localhost", "cpus": [0],
+                                              "gpus": [0, 1]}]})
+    compiled = compile_strategy(AllReduce().build(item, spec), item, spec)
+    replicas = tuple(compiled.strategy.replicas)
+    assert replicas == ("localhost:GPU:0", "localhost:GPU:1")
+    devices = {name: "/device:" + name.split(":", 1)[1]
+               for name in replicas + ("localhost:CPU:0",)}
+    ctx = KernelContext(replica_devices=replicas, tf_devices=devices,
+                        shared_device="/device:CPU:0")
+    loops = _loops(transform(item, compiled, ctx))
+    assert len(loops) == 4 and not any(loops.values())
 
 
 @pytest.mark.parametrize("builder", ["PS", "AllReduce", "PartitionedAR"])

@@ -173,7 +173,8 @@ def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
             node.device = device
             _keep_functional(node)
             if node.op in _LOOPS:
-                _tf_compat.set_loop_executor(node, _runs_on_one_thread(node, single_threaded))
+                _tf_compat.set_loop_executor(node, _runs_on_one_thread(node, single_threaded,
+                                                                        device))
         _tf_compat.import_graph_def(graph_def, input_map, scope)
         with tf.device(device):
             for name in row_reads:
@@ -277,7 +278,7 @@ def _keep_functional(node) -> None:
         node.attr[_LOWER_ATTR].b = False
 
 
-def _runs_on_one_thread(loop, single_threaded: frozenset) -> bool:
+def _runs_on_one_thread(loop, single_threaded: frozenset, device: str) -> bool:
     """Whether a replica's functional loop can run its condition and body on one thread.
 
     The loop calls them as functions every iteration, and TensorFlow's default
@@ -286,10 +287,12 @@ def _runs_on_one_thread(loop, single_threaded: frozenset) -> bool:
     of 32 rows spent about a tenth of its two-replica step on it). The
     single-threaded executor runs the ops in order on the loop's thread. It
     cannot run control flow, so a loop whose functions hold any keeps the
-    default. (TensorFlow places a loop with the variables it reads, so a body
-    is never cut between devices.)
+    default, and it has no device context but the CPU's, so a GPU replica's
+    loops keep it too. (TensorFlow places a loop with the variables it reads,
+    so a body is never cut between devices.)
     """
-    return {loop.attr["cond"].func.name, loop.attr["body"].func.name} <= single_threaded
+    return (tf.DeviceSpec.from_string(device).device_type == "CPU"
+            and {loop.attr["cond"].func.name, loop.attr["body"].func.name} <= single_threaded)
 
 
 def _computed_once(values: list) -> bool:
