@@ -261,7 +261,7 @@ def test_a_sparse_part_does_not_lend_its_compressor_to_the_dense_ones(spec_path)
     assert_equivalent(spec_path, strategy, "embedding", "adam")
 
 
-# ----------------------------------------------------------------------------- fetches, staleness
+# ----------------------------------------------------------------------------- loops
 
 def _loops(distributed) -> dict:
     """Each replica's functional loop in the distributed graph -> whether it runs on one thread."""
@@ -307,6 +307,8 @@ def test_the_loops_of_gpu_replicas_keep_the_default_executor():
     loops = _loops(transform(item, compiled, ctx))
     assert len(loops) == 4 and not any(loops.values())
 
+
+# ----------------------------------------------------------------------------- fetches, staleness
 
 @pytest.mark.parametrize("builder", ["PS", "AllReduce", "PartitionedAR"])
 @pytest.mark.parametrize("model", ["dense", "embedding"])
