@@ -566,18 +566,14 @@ def single_threaded_functions(library) -> frozenset:
                    or node.op.startswith("Collective") for node in function.node_def))
 
 
-def set_loop_executor(node, single_threaded: bool) -> None:
-    """Has a While NodeDef's condition and body run on TF's single-threaded executor, or not.
+def run_loop_single_threaded(node) -> None:
+    """Has a While NodeDef's condition and body run on TF's single-threaded executor.
 
     That executor runs a function's ops one after the other on the calling
     thread; the default one hands every ready op to the inter-op thread pool.
     """
     for key in ("cond", "body"):
-        attrs = node.attr[key].func.attr
-        if single_threaded:
-            attrs[_EXECUTOR_ATTR].s = _SINGLE_THREADED_EXECUTOR
-        elif _EXECUTOR_ATTR in attrs:
-            del attrs[_EXECUTOR_ATTR]
+        node.attr[key].func.attr[_EXECUTOR_ATTR].s = _SINGLE_THREADED_EXECUTOR
 
 
 def record_checkpoint(saver: tf.compat.v1.train.Saver, path: str, save_dir: str,

@@ -98,15 +98,20 @@ def train_autodist(spec: str, builder, model: str, optimizer: str, steps: int = 
 
 def assert_equivalent(spec, builder, model, optimizer, atol=ATOL, rtol=RTOL):
     """Trains both ways and compares; returns the AutoDist strategy."""
-    want_losses, _, want = train_single(model, optimizer)
     losses, got, strategy, _ = train_autodist(spec, builder, model, optimizer)
+    assert_matches_single(model, optimizer, losses, got, atol, rtol)
+    return strategy
+
+
+def assert_matches_single(model, optimizer, losses, got, atol=ATOL, rtol=RTOL):
+    """AutoDist's per-step losses and final values equal single-device training's."""
+    want_losses, _, want = train_single(model, optimizer)
     np.testing.assert_allclose(losses, want_losses, rtol=rtol, atol=atol,
                                err_msg="per-step loss (mean over replicas)")
     assert len(got) == len(want)
     for index, (g, w) in enumerate(zip(got, want)):
         np.testing.assert_allclose(g, w, rtol=rtol, atol=atol,
                                    err_msg=f"variable #{index} of model {model!r}")
-    return strategy
 
 
 def partitioners(strategy: Strategy) -> dict:
@@ -276,11 +281,8 @@ def _loops(distributed) -> dict:
     ("rnn_with_cond", {"AutoDist-Replica-0": False, "AutoDist-Replica-1": False}),
 ])
 def test_a_replica_runs_its_loops_on_one_thread_where_it_can(spec_path, model, single_threaded):
-    want_losses, _, want = train_single(model, "adam")
     losses, got, _, distributed = train_autodist(spec_path, AllReduce(), model, "adam")
-    np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=ATOL)
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
+    assert_matches_single(model, "adam", losses, got)
     loops = _loops(distributed)
     # Per replica: the forward loop and its gradient's.
     assert sorted(name.split("/")[0] for name in loops) == sorted(list(single_threaded) * 2)

@@ -143,7 +143,7 @@ def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
     assigned = {name: [] for name in merged}
     row_reads = {name: [] for name in {**gather_rows, **part_products}}
     copied = {node.name for node in graph_def.node}
-    single_threaded = _tf_compat.single_threaded_functions(item.graph_def.library)
+    _run_loops_on_one_thread(item, graph_def, ctx)
     salt = _salt_random_keys(graph_def)
     for replica in range(ctx.num_replicas):
         scope = replica_scope(replica)
@@ -172,9 +172,6 @@ def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
         for node in graph_def.node:
             node.device = device
             _keep_functional(node)
-            if node.op in _LOOPS:
-                _tf_compat.set_loop_executor(node, _runs_on_one_thread(node, single_threaded,
-                                                                        device))
         _tf_compat.import_graph_def(graph_def, input_map, scope)
         with tf.device(device):
             for name in row_reads:
@@ -278,21 +275,27 @@ def _keep_functional(node) -> None:
         node.attr[_LOWER_ATTR].b = False
 
 
-def _runs_on_one_thread(loop, single_threaded: frozenset, device: str) -> bool:
-    """Whether a replica's functional loop can run its condition and body on one thread.
+def _run_loops_on_one_thread(item: GraphItem, graph_def, ctx: KernelContext) -> None:
+    """Has the replicated functional loops run their condition and body on one thread.
 
-    The loop calls them as functions every iteration, and TensorFlow's default
+    A loop calls them as functions every iteration, and TensorFlow's default
     executor hands each of their ops to the inter-op thread pool: a cost per op
     that outweighs a recurrent cell's small products (an LSTM over half a batch
     of 32 rows spent about a tenth of its two-replica step on it). The
     single-threaded executor runs the ops in order on the loop's thread. It
     cannot run control flow, so a loop whose functions hold any keeps the
-    default, and it has no device context but the CPU's, so a GPU replica's
-    loops keep it too. (TensorFlow places a loop with the variables it reads,
-    so a body is never cut between devices.)
+    default, and it has no device context but the CPU's, so a GPU node's
+    replicas (a node's replicas are all its GPUs or all its CPUs) keep it too.
+    (TensorFlow places a loop with the variables it reads, so a body is never
+    cut between devices.)
     """
-    return (tf.DeviceSpec.from_string(device).device_type == "CPU"
-            and {loop.attr["cond"].func.name, loop.attr["body"].func.name} <= single_threaded)
+    if tf.DeviceSpec.from_string(ctx.replica_tf_device(0)).device_type != "CPU":
+        return
+    single_threaded = _tf_compat.single_threaded_functions(item.graph_def.library)
+    for node in graph_def.node:
+        if (node.op in _LOOPS and {node.attr["cond"].func.name, node.attr["body"].func.name}
+                <= single_threaded):
+            _tf_compat.run_loop_single_threaded(node)
 
 
 def _computed_once(values: list) -> bool:
