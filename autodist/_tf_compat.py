@@ -576,6 +576,47 @@ def run_loop_single_threaded(node) -> None:
         node.attr[key].func.attr[_EXECUTOR_ATTR].s = _SINGLE_THREADED_EXECUTOR
 
 
+# oneDNN's matrix product, and the kernel label TensorFlow's oneDNN graph pass
+# gives the ops it swaps in for its own.
+_ONEDNN_MATMUL = "_MklMatMul"
+_ONEDNN_LABEL = b"MklNameChangeOp"
+_ONEDNN_SUFFIX = "_autodist_onednn"
+
+
+def onednn_matmuls() -> bool:
+    """Whether TensorFlow runs a graph's float32 products with oneDNN's kernel (an x86
+    build with oneDNN, and ``TF_ENABLE_ONEDNN_OPTS`` not 0)."""
+    from tensorflow.python.framework import op_def_registry
+    from tensorflow.python.util import _pywrap_util_port
+
+    return bool(_pywrap_util_port.IsMklEnabled()) and op_def_registry.get(
+        _ONEDNN_MATMUL) is not None
+
+
+def with_onednn_matmuls(function):
+    """A copy of a FunctionDef whose float32 ``MatMul`` ops run oneDNN's kernel, under a
+    name of its own; None when it has no such op.
+
+    TensorFlow's oneDNN pass makes that swap in a session's graph, but not in
+    the functions a functional loop calls each iteration, which then run
+    Eigen's kernel: a sequential product that packs the whole weight matrix at
+    every call (an LSTM's step over a replica's 16 rows spent more time
+    packing than multiplying).
+    """
+    if not any(map(_is_float32_matmul, function.node_def)):
+        return None
+    variant = copy.deepcopy(function)
+    variant.signature.name = function.signature.name + _ONEDNN_SUFFIX
+    for node in filter(_is_float32_matmul, variant.node_def):
+        node.op = _ONEDNN_MATMUL
+        node.attr["_kernel"].s = _ONEDNN_LABEL
+    return variant
+
+
+def _is_float32_matmul(node) -> bool:
+    return node.op == "MatMul" and node.attr["T"].type == tf.float32.as_datatype_enum
+
+
 def record_checkpoint(saver: tf.compat.v1.train.Saver, path: str, save_dir: str,
                       latest_filename: str, meta_graph_suffix: str) -> None:
     """What ``saver.save(..., write_state=True)`` does after writing ``path``.

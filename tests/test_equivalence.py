@@ -275,6 +275,14 @@ def _loops(distributed) -> dict:
             for op in distributed.graph.get_operations() if op.type in ("While", "StatelessWhile")}
 
 
+def _loop_products(distributed) -> dict:
+    """Each replica's functional loop -> the op types of its body's matrix products."""
+    library = {f.signature.name: f for f in distributed.graph.as_graph_def().library.function}
+    return {op.name: sorted(node.op for node in library[op.node_def.attr["body"].func.name].node_def
+                            if node.op.endswith("MatMul"))
+            for op in distributed.graph.get_operations() if op.type in ("While", "StatelessWhile")}
+
+
 @pytest.mark.parametrize("model, single_threaded", [
     ("rnn", {"AutoDist-Replica-0": True, "AutoDist-Replica-1": True}),
     # The single-threaded executor cannot run the body's cond once lowered.
@@ -288,26 +296,50 @@ def test_a_replica_runs_its_loops_on_one_thread_where_it_can(spec_path, model, s
     assert sorted(name.split("/")[0] for name in loops) == sorted(list(single_threaded) * 2)
     for name, runs_alone in loops.items():
         assert runs_alone == single_threaded[name.split("/")[0]], name
+    if _tf_compat.onednn_matmuls():
+        # TensorFlow's oneDNN pass does not reach a loop's functions: AutoDist swaps
+        # oneDNN's product in (the forward cell's two, and their four gradients).
+        assert sorted(map(len, _loop_products(distributed).values())) == [2, 2, 4, 4]
+        for name, products in _loop_products(distributed).items():
+            assert set(products) == {"_MklMatMul"}, name
 
 
-def test_the_loops_of_gpu_replicas_keep_the_default_executor():
-    # The single-threaded executor supports no device context but the CPU's. The graph
-    # is only built: this machine has no GPU to run it.
+def _transformed_rnn(nodes: list, shared_device: str = "/device:CPU:0"):
+    """The rnn model's graph, built (not run) for the replicas of ``nodes`` (a spec's)."""
     calls = []
     with tf.Graph().as_default() as graph, _tf_compat.capture_apply_gradients(calls.append):
         models.rnn(OPTIMIZERS["sgd"])
     item = GraphItem(graph, calls)
-    spec = ResourceSpec.from_dict({"nodes": [{"address": "localhost", "cpus": [0],
-                                              "gpus": [0, 1]}]})
+    spec = ResourceSpec.from_dict({"nodes": nodes})
     compiled = compile_strategy(AllReduce().build(item, spec), item, spec)
     replicas = tuple(compiled.strategy.replicas)
-    assert replicas == ("localhost:GPU:0", "localhost:GPU:1")
     devices = {name: "/device:" + name.split(":", 1)[1]
                for name in replicas + ("localhost:CPU:0",)}
     ctx = KernelContext(replica_devices=replicas, tf_devices=devices,
-                        shared_device="/device:CPU:0")
-    loops = _loops(transform(item, compiled, ctx))
+                        shared_device=shared_device)
+    return replicas, transform(item, compiled, ctx)
+
+
+def test_the_loops_of_gpu_replicas_keep_the_default_executor_and_products():
+    # The single-threaded executor supports no device context but the CPU's, and
+    # oneDNN's product is a CPU kernel. The graph is only built: this machine has no
+    # GPU to run it.
+    replicas, distributed = _transformed_rnn(
+        [{"address": "localhost", "cpus": [0], "gpus": [0, 1]}])
+    assert replicas == ("localhost:GPU:0", "localhost:GPU:1")
+    loops = _loops(distributed)
     assert len(loops) == 4 and not any(loops.values())
+    assert all(set(products) == {"MatMul"} for products in _loop_products(distributed).values())
+
+
+def test_cpu_replicas_keep_tensorflows_products_without_onednn(monkeypatch):
+    # TF_ENABLE_ONEDNN_OPTS=0, or a build without oneDNN: TensorFlow's own kernel.
+    monkeypatch.setattr(_tf_compat, "onednn_matmuls", lambda: False)
+    _, distributed = _transformed_rnn([{"address": "localhost", "cpus": [0, 1]}])
+    products = _loop_products(distributed)
+    assert len(products) == 4
+    assert all(set(p) == {"MatMul"} for p in products.values())
+    assert all(_loops(distributed).values())  # still on one thread each
 
 
 # ----------------------------------------------------------------------------- fetches, staleness

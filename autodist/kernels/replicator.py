@@ -137,13 +137,14 @@ def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
     local_deferred = []
     contributions = (contribution_shares(item, ctx)
                      if item.scaled_by_share and ctx.total_replicas > 1 else [])
-    # The library came with the shared import; each copy only adds its ops.
+    # The library came with the shared import (the loops' tuned functions come with
+    # _tune_cpu_loops); each copy only adds its ops.
     graph_def = subgraph_def(item, item.replicated, external, local_deferred, with_library=False)
     merged = _defer_shared_assigns(item, graph_def)
     assigned = {name: [] for name in merged}
     row_reads = {name: [] for name in {**gather_rows, **part_products}}
     copied = {node.name for node in graph_def.node}
-    _run_loops_on_one_thread(item, graph_def, ctx)
+    _tune_cpu_loops(item, graph_def, ctx)
     salt = _salt_random_keys(graph_def)
     for replica in range(ctx.num_replicas):
         scope = replica_scope(replica)
@@ -275,27 +276,50 @@ def _keep_functional(node) -> None:
         node.attr[_LOWER_ATTR].b = False
 
 
-def _run_loops_on_one_thread(item: GraphItem, graph_def, ctx: KernelContext) -> None:
-    """Has the replicated functional loops run their condition and body on one thread.
+def _tune_cpu_loops(item: GraphItem, graph_def, ctx: KernelContext) -> None:
+    """Has the replicated functional loops of CPU replicas run their condition and
+    body as a CPU runs them fastest.
 
-    A loop calls them as functions every iteration, and TensorFlow's default
-    executor hands each of their ops to the inter-op thread pool: a cost per op
-    that outweighs a recurrent cell's small products (an LSTM over half a batch
-    of 32 rows spent about a tenth of its two-replica step on it). The
-    single-threaded executor runs the ops in order on the loop's thread. It
-    cannot run control flow, so a loop whose functions hold any keeps the
-    default, and it has no device context but the CPU's, so a GPU node's
-    replicas (a node's replicas are all its GPUs or all its CPUs) keep it too.
-    (TensorFlow places a loop with the variables it reads, so a body is never
-    cut between devices.)
+    A loop calls them as functions every iteration, and TensorFlow treats those
+    functions apart from the session's graph:
+
+    * its default executor hands each of their ops to the inter-op thread pool:
+      a cost per op that outweighs a recurrent cell's small products (an LSTM
+      over half a batch of 32 rows spent about a tenth of its two-replica step
+      on it). The single-threaded executor runs the ops in order on the loop's
+      thread. It cannot run control flow, so a loop whose functions hold any
+      keeps the default.
+    * its oneDNN pass, which gives the graph's float32 products oneDNN's
+      kernel, does not reach them; they get it here, in copies of the
+      functions (``_tf_compat.with_onednn_matmuls``), added to the graph.
+
+    Both are for CPUs only: the single-threaded executor has no device context
+    but the CPU's, and oneDNN's kernel is a CPU kernel, so a GPU node's replicas
+    (a node's replicas are all its GPUs or all its CPUs) keep their loops as
+    they are. (TensorFlow places a loop with the variables it reads, so a body
+    is never cut between devices.)
     """
     if tf.DeviceSpec.from_string(ctx.replica_tf_device(0)).device_type != "CPU":
         return
+    library = {function.signature.name: function for function in item.graph_def.library.function}
     single_threaded = _tf_compat.single_threaded_functions(item.graph_def.library)
+    onednn = _tf_compat.onednn_matmuls()
+    variants = {}  # a loop function's name -> its oneDNN copy, or None
     for node in graph_def.node:
-        if (node.op in _LOOPS and {node.attr["cond"].func.name, node.attr["body"].func.name}
-                <= single_threaded):
+        if node.op not in _LOOPS:
+            continue
+        if {node.attr["cond"].func.name, node.attr["body"].func.name} <= single_threaded:
             _tf_compat.run_loop_single_threaded(node)
+        for key in ("cond", "body") if onednn else ():
+            name = node.attr[key].func.name
+            if name not in variants:
+                variants[name] = _tf_compat.with_onednn_matmuls(library[name])
+            if variants[name] is not None:
+                node.attr[key].func.name = variants[name].signature.name
+    added = tf.compat.v1.GraphDef()
+    added.library.function.extend(v for v in variants.values() if v is not None)
+    if added.library.function:
+        tf.graph_util.import_graph_def(added, name="")
 
 
 def _computed_once(values: list) -> bool:
