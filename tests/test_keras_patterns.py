@@ -99,6 +99,65 @@ def test_a_learning_rate_set_between_batches_is_used_by_the_next_batch(spec_path
     assert_same(got, want, "learning rate halved before every batch")
 
 
+class StopAtBatch(keras.callbacks.Callback):
+    """Fails the first fit it is in, in its given epoch's given batch (a crash)."""
+
+    autodist_reads_weights = False
+
+    def __init__(self, epoch: int, batch: int):
+        super().__init__()
+        self._at, self._epoch, self.fired = (epoch, batch), 0, False
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not self.fired and (self._epoch, batch) == self._at:
+            self.fired = True
+            raise RuntimeError("stopped")
+
+
+def test_backup_and_restore_resumes_from_its_backup_in_the_same_process(spec_path, tmp_path):
+    # The first fit dies two batches into epoch 1; the second, with the same callbacks,
+    # loads the backup of epoch 0's end in on_train_begin and trains epochs 1 and 2
+    # from it, not from the batches trained after the backup.
+    x, y = data()
+    runs = []
+    for distributed in (False, True):
+        backup = keras.callbacks.BackupAndRestore(str(tmp_path / str(distributed)))
+        stop = StopAtBatch(epoch=1, batch=1)
+        if distributed:
+            with AutoDist(resource_spec_file=spec_path, strategy_builder=AllReduce()).scope():
+                model = mlp(keras.optimizers.Adam(0.05))
+        else:
+            model = mlp(keras.optimizers.Adam(0.05))
+        with pytest.raises(RuntimeError, match="stopped"):
+            model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
+                      callbacks=[backup, stop])
+        crashed = snapshot(model, model.optimizer)
+        history = model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
+                            callbacks=[backup, stop])
+        runs.append((crashed, snapshot(model, model.optimizer, history.history), stop.fired))
+    (want_crashed, want, fired_single), (got_crashed, got, fired) = runs
+    assert fired and fired_single
+    # The model holds what trained before the error, as on one device.
+    assert_same(got_crashed, want_crashed, "after the failed fit")
+    assert len(want.history["loss"]) == 2  # epochs 1 and 2, resumed
+    assert_same(got, want, "resumed by BackupAndRestore")
+
+
+def test_weights_a_callback_sets_at_an_epoch_s_start_are_trained_from(spec_path):
+    class ShrinkAtEpochStart(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.model.set_weights([w * 0.5 for w in self.model.get_weights()])
+
+    x, y = data()
+    (want, _), (got, _) = fit_both(spec_path, AllReduce(),
+                                   lambda: mlp(keras.optimizers.SGD(0.05, momentum=0.5)), x, y,
+                                   lambda: [ShrinkAtEpochStart()])
+    assert_same(got, want, "weights halved at every epoch's start")
+
+
 # ----------------------------------------------------------------------------- 2. loss trackers
 
 class TrackedModel(keras.Model):

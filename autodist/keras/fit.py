@@ -12,6 +12,7 @@ trained model.
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Callable, Optional
 
 import keras
@@ -110,6 +111,7 @@ class _FitRunner:
         self._slots_stale = False  # the optimizer's slots not yet copied
         self._in_fit = False  # else a step is train_on_batch's, copied back at once
         self._keras_code_ran = True  # since the last step: it may have changed the state
+        self._weights_may_have_changed = False  # the same for the weights and slots
 
     @property
     def step(self) -> Optional[DistributedStep]:
@@ -145,8 +147,25 @@ class _FitRunner:
         self._in_fit = True
         try:
             return fit(*bound.args, **bound.kwargs)
+        except BaseException:
+            self._copy_back_after_failure()
+            raise
         finally:
             self._in_fit = False
+
+    def _copy_back_after_failure(self) -> None:
+        """Copies the values trained before ``fit`` failed (a callback's error, Ctrl-C)
+        into the model, which holds them on one device; a ``save``, or the next
+        ``fit`` with ``BackupAndRestore``, starts from them. Not on a cluster, where
+        the failure may be a node's that the copy would wait for."""
+        if self._on_cluster or self._step is None:
+            return
+        try:
+            self.copy_to_model()
+        except Exception as error:  # pylint: disable=broad-except
+            warnings.warn(f"AutoDist could not copy the values trained before fit failed "
+                          f"into the model ({type(error).__name__}: {error}); it holds "
+                          "those of the last epoch's end.", stacklevel=3)
 
     def make_train_function(self, force: bool = False):
         """What ``fit`` calls before its first epoch: syncs in values Keras code changed."""
@@ -177,18 +196,26 @@ class _FitRunner:
                 step.copy_from_eager_if_changed()
             self._step = step
         elif self._keras_code_ran or not self._in_fit:
-            # Metrics reset by Keras, a learning rate set by a callback.
-            step.copy_from_eager_if_changed(weights=False, slots=False)
-        self._keras_code_ran = False
+            # Metrics reset by Keras, a learning rate set by a callback; weights a
+            # callback loaded at fit's or an epoch's start.
+            step.copy_from_eager_if_changed(weights=self._weights_may_have_changed,
+                                            slots=self._weights_may_have_changed)
+        self._keras_code_ran = self._weights_may_have_changed = False
         outputs = step.run((data,))
         self._stale = self._slots_stale = True
         if not self._in_fit:
             self.copy_to_model()
         return _logs(outputs, self._metrics_result())
 
-    def keras_code_runs(self) -> None:
-        """Keras code runs before the next step: it may change the small state."""
+    def keras_code_runs(self, weights: bool = False) -> None:
+        """Keras code runs before the next step: it may change the small state.
+
+        Args:
+            weights: it may change the weights and slots too (callbacks at fit's or
+                an epoch's start: ``BackupAndRestore`` loads its backup there).
+        """
         self._keras_code_ran = True
+        self._weights_may_have_changed |= weights
 
     def copy_to_model(self, slots: bool = True) -> None:
         """Copies the trained weights and optimizer state into the model, if stale.
@@ -243,8 +270,12 @@ class _SyncCallback(keras.callbacks.Callback):
         self._per_batch = any(_acts_per_batch(c) for c in callbacks)
         self._batch_hooks = any(_has_batch_hooks(c) for c in callbacks)
 
+    def on_train_begin(self, logs=None):
+        self._runner.keras_code_runs(weights=True)  # the callbacks after this one
+
     def on_epoch_begin(self, epoch, logs=None):
-        self._runner.keras_code_runs()  # Keras reset the metrics; callbacks follow
+        # Keras reset the metrics; callbacks follow, after the last epoch's ends.
+        self._runner.keras_code_runs(weights=True)
 
     def on_train_batch_end(self, batch, logs=None):
         if self._per_batch:
