@@ -91,7 +91,8 @@ class _FitRunner:
     state (metrics reset at an epoch's start, a learning rate a callback set:
     it takes effect at the next step) when Keras code ran since the last
     step: at an epoch's start, or after every batch when a callback has batch
-    hooks. The trained weights and the optimizer's slots are copied back
+    hooks; and of the weights and slots too after fit's or an epoch's start
+    (a backup loaded by a callback). The trained weights and the optimizer's slots are copied back
     whenever Keras code may read them: before validation, at the end of every
     epoch and of ``fit``, and after every batch when a callback acts per batch
     (then the weights, not the slots), unless it says its batch hooks read no
