@@ -6,8 +6,8 @@ classifier: a title (10 word ids) and a body (100 word ids) each go through an
 12 tag features, and feed two heads, a priority (1 logit, binary
 cross-entropy) and a department (4 logits, categorical cross-entropy), with
 ``loss_weights`` 1.0 and 0.2, RMSprop (1e-3). ``fit`` runs 4 epochs of 40
-batches of 32 rows of synthetic data (115 timed steps a job: this VM's speed
-drifts by a third over seconds, which 35 steps did not average out).
+batches of 32 rows of synthetic data: 115 timed steps a job, as this VM's
+speed drifts by a third over seconds, within a job as between jobs.
 
 Systems, each a fresh process with TensorFlow's default thread pools (as a
 user runs it):
