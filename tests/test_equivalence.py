@@ -304,7 +304,7 @@ def test_a_replica_runs_its_loops_on_one_thread_where_it_can(spec_path, model, s
             assert set(products) == {"_MklMatMul"}, name
 
 
-def _transformed_rnn(nodes: list, shared_device: str = "/device:CPU:0"):
+def _transformed_rnn(nodes: list):
     """The rnn model's graph, built (not run) for the replicas of ``nodes`` (a spec's)."""
     calls = []
     with tf.Graph().as_default() as graph, _tf_compat.capture_apply_gradients(calls.append):
@@ -316,7 +316,7 @@ def _transformed_rnn(nodes: list, shared_device: str = "/device:CPU:0"):
     devices = {name: "/device:" + name.split(":", 1)[1]
                for name in replicas + ("localhost:CPU:0",)}
     ctx = KernelContext(replica_devices=replicas, tf_devices=devices,
-                        shared_device=shared_device)
+                        shared_device="/device:CPU:0")
     return replicas, transform(item, compiled, ctx)
 
 

@@ -92,11 +92,11 @@ class _FitRunner:
     it takes effect at the next step) when Keras code ran since the last
     step: at an epoch's start, or after every batch when a callback has batch
     hooks; and of the weights and slots too after fit's or an epoch's start
-    (a backup loaded by a callback). The trained weights and the optimizer's slots are copied back
-    whenever Keras code may read them: before validation, at the end of every
-    epoch and of ``fit``, and after every batch when a callback acts per batch
-    (then the weights, not the slots), unless it says its batch hooks read no
-    weights (``autodist_reads_weights = False``).
+    (a backup loaded by a callback). The trained weights and the optimizer's
+    slots are copied back whenever Keras code may read them: before
+    validation, at the end of every epoch and of ``fit``, and after every batch
+    when a callback acts per batch (then the weights, not the slots), unless it
+    says its batch hooks read no weights (``autodist_reads_weights = False``).
     """
 
     def __init__(self, model: keras.Model,
