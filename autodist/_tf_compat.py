@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.ops import gen_resource_variable_ops, resource_variable_ops
 
 _V1Optimizer = tf.compat.v1.train.Optimizer
 _COPY_MARK = "_autodist_copy"  # set on optimizer_for_graph's copies, which are not captured
@@ -320,23 +320,50 @@ def eager_snapshot(variable: tf.Variable) -> np.ndarray:
         return np.asarray(variable.read_value())
 
 
-class EagerVariables:
-    """Reads or assigns a fixed list of eager variables in one call of a traced
-    function, sparing the per-variable overhead of eager ops (for the small state
-    AutoDist copies at every step). Both work even where a graph is the default.
+def called_flat(concrete) -> Callable:
+    """A call of the traced ``concrete`` function (a ``ConcreteFunction``) on its flat
+    tensor arguments, returning its outputs in their structure: its atomic
+    function called directly, about 50 us of Python where calling ``concrete``
+    spends 150 to 500 us binding, flattening and checking. ``concrete`` itself
+    where its outputs hold anything but tensors."""
+    structure = concrete.structured_outputs
+    if structure is not None and not all(
+            isinstance(t, tf.Tensor) for t in tf.nest.flatten(structure)):
+        return concrete
+    atomic = concrete._inference_function  # pylint: disable=protected-access
+    captures = list(concrete.captured_inputs)
 
-    The values travel packed, one flat tensor per dtype: a traced call's cost
-    grows with its number of arguments and results (about 0.25 ms each here),
-    not with their bytes.
+    def call(*tensors):
+        outputs = atomic.call_flat(*tensors, *captures)
+        return None if structure is None else tf.nest.pack_sequence_as(structure, outputs)
+
+    return call
+
+
+class EagerVariables:
+    """Reads or assigns a fixed list of eager variables with as little per-call
+    overhead as eager TensorFlow allows (for the small state AutoDist copies at
+    every step). Both work even where a graph is the default.
+
+    A few variables go through one raw eager op each (``ReadVariableOp``,
+    ``AssignVariableOp``): about 20 to 70 us an op here, right after a step.
+    More than ``PER_OP_LIMIT`` go through one call of a traced function
+    (``called_flat``), their values packed one flat tensor per dtype: a call's
+    cost grows with its number of arguments and results, not with their bytes.
 
     Args:
         variables: the variables, each with a fully defined shape.
     """
 
+    PER_OP_LIMIT = 12
+
     def __init__(self, variables: list):
         from tensorflow.python.eager import context
         self._variables = list(variables)
         self._shapes = [v.shape.as_list() for v in self._variables]
+        self._packed = len(self._variables) > self.PER_OP_LIMIT
+        if not self._packed:
+            return
         groups = {}  # dtype -> the indices of its variables, in order
         for index, variable in enumerate(self._variables):
             groups.setdefault(variable.dtype, []).append(index)
@@ -348,26 +375,32 @@ class EagerVariables:
         signature = [tf.TensorSpec([ends[-1]], dtype)
                      for (dtype, _), ends in zip(self._groups, self._ends)]
         with context.eager_mode():
-            self._read = tf.function(self._read_packed).get_concrete_function()
-            self._assign = tf.function(self._assign_packed,
-                                       input_signature=signature).get_concrete_function()
+            self._read_traced = tf.function(self._read_packed).get_concrete_function()
+            self._assign_traced = tf.function(
+                self._assign_packed, input_signature=signature).get_concrete_function()
+        self._read, self._assign = called_flat(self._read_traced), called_flat(self._assign_traced)
+
+    @property
+    def packed(self) -> bool:
+        """Whether the values travel packed, through one traced call each way."""
+        return self._packed
 
     def _read_packed(self) -> list:
         return [tf.concat([tf.reshape(self._variables[i].read_value(), [-1]) for i in indices],
                           axis=0) for _, indices in self._groups]
 
-    def _assign_packed(self, *packed) -> list:
-        writes = []
+    def _assign_packed(self, *packed) -> None:
         for (_, indices), ends, flat in zip(self._groups, self._ends, packed):
             for index, start, end in zip(indices, [0] + ends[:-1], ends):
-                writes.append(self._variables[index].assign(
-                    tf.reshape(flat[start:end], self._shapes[index])))
-        return writes
+                self._variables[index].assign(tf.reshape(flat[start:end], self._shapes[index]))
 
     def read(self) -> list:
         """The variables' values now, as arrays of their own."""
         from tensorflow.python.eager import context
         with context.eager_mode():
+            if not self._packed:
+                return [gen_resource_variable_ops.read_variable_op(v.handle, v.dtype).numpy()
+                        for v in self._variables]
             packed = [t.numpy() for t in self._read()]
         values = [None] * len(self._variables)
         for (_, indices), ends, flat in zip(self._groups, self._ends, packed):
@@ -379,10 +412,39 @@ class EagerVariables:
         """Assigns ``values`` (arrays, in the variables' order)."""
         from tensorflow.python.eager import context
         with context.eager_mode():
+            if not self._packed:
+                for variable, shape, value in zip(self._variables, self._shapes, values):
+                    array = np.asarray(value, dtype=variable.dtype.as_numpy_dtype)
+                    gen_resource_variable_ops.assign_variable_op(
+                        variable.handle, tf.constant(array.reshape(shape)))
+                return
             packed = [tf.constant(np.concatenate([
                 np.asarray(values[i], dtype=dtype.as_numpy_dtype).reshape(-1) for i in indices]))
                 for dtype, indices in self._groups]
             self._assign(*packed)
+
+
+def session_callable(session: tf.compat.v1.Session, fetches: list,
+                     feeds: list) -> Callable[..., list]:
+    """Runs ``fetches`` (tensors and ops) on values for the tensors ``feeds``, given in
+    their order, through the session's C++ callable (``Session::MakeCallable``):
+    about 30 us of Python a run, where ``Session.run`` spends 200 to 500 us
+    building and reading its dicts. Returns what ``Session.run(fetches)`` does
+    for a list (None for an op). The values must be arrays of the feeds' dtypes
+    and shapes: the callable converts nothing."""
+    from tensorflow.core.protobuf import config_pb2
+    tensors = list(dict.fromkeys(f.name for f in fetches if isinstance(f, tf.Tensor)))
+    options = config_pb2.CallableOptions(
+        feed=[t.name for t in feeds], fetch=tensors,
+        target=list(dict.fromkeys(f.name for f in fetches if isinstance(f, tf.Operation))))
+    made = session._make_callable_from_options(options)  # pylint: disable=protected-access
+    where = [tensors.index(f.name) if isinstance(f, tf.Tensor) else None for f in fetches]
+
+    def run(*values) -> list:
+        fetched = made(*values)
+        return [None if index is None else fetched[index] for index in where]
+
+    return run
 
 
 _LIFTING = contextvars.ContextVar("autodist_lifting", default=False)

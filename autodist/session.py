@@ -9,6 +9,7 @@ import threading
 import time
 from typing import Callable, Optional
 
+import numpy as np
 import tensorflow as tf
 
 from autodist import _tf_compat
@@ -105,6 +106,9 @@ class DistributedSession:
         self._distributed = distributed
         self._graph = distributed.graph
         self._cache = {}
+        # (ids of a flat list of fetches, ids of the fed tensors) -> a callable running
+        # them, and the elements (kept alive, so no id is reused)
+        self._callables = {}
         item = distributed.item
         self._variable_fetches = {}
         for name, variable in item.variables.items():
@@ -251,8 +255,13 @@ class DistributedSession:
         updated = len(instead) < len(trained)
         bound = self._stuck_bound() if trained else None
         started = time.monotonic()
-        result = self._watched(self._session.run, mapped, feed_dict=feeds, options=options,
-                               run_metadata=run_metadata, stuck_after=bound)
+        callable_run = (self._callable(mapped, feeds)
+                        if options is None and run_metadata is None else None)
+        if callable_run is not None:
+            result = self._watched(callable_run, *feeds.values(), stuck_after=bound)
+        else:
+            result = self._watched(self._session.run, mapped, feed_dict=feeds, options=options,
+                                   run_metadata=run_metadata, stuck_after=bound)
         if seconds:
             left = None if bound is None else max(0.0, bound - (time.monotonic() - started))
             self._watched(self._session.run, seconds, stuck_after=left)
@@ -267,6 +276,25 @@ class DistributedSession:
             if self._on_step is not None:
                 self._on_step()
         return result
+
+    def _callable(self, fetches, feeds: dict) -> Optional[Callable]:
+        """A callable running a flat list of ``fetches`` on ``feeds``' values, in their
+        order (``_tf_compat.session_callable``), made once per list. None where
+        ``Session.run`` must convert a value or name a mismatch: a fetch structure
+        other than a list, a value that is not an array of its tensor's dtype and a
+        compatible shape."""
+        if not isinstance(fetches, list) or not all(
+                isinstance(f, (tf.Tensor, tf.Operation)) for f in fetches):
+            return None
+        for target, value in feeds.items():
+            if (not isinstance(value, np.ndarray) or value.dtype != target.dtype.as_numpy_dtype
+                    or not target.shape.is_compatible_with(value.shape)):
+                return None
+        key = (tuple(map(id, fetches)), tuple(map(id, feeds)))
+        if key not in self._callables:
+            made = _tf_compat.session_callable(self._session, fetches, list(feeds))
+            self._callables[key] = (made, list(fetches), list(feeds))
+        return self._callables[key][0]
 
     def _stuck_bound(self) -> Optional[float]:
         """How long the next training run may take before it counts as stuck, or None."""

@@ -103,6 +103,31 @@ def test_without_a_builder_every_variable_is_all_reduced(spec_path):
     assert kinds == {"AllReduceSynchronizer"}
 
 
+def test_runs_of_arrays_share_one_callable_and_other_feeds_go_through_session_run(spec_path):
+    """A run fed arrays of its placeholders' dtypes goes through a C++ callable made
+    once per list of fetches and feeds; a list, another dtype or a wrong shape goes
+    through ``Session.run``, which converts it or names the mismatch."""
+    ad = AutoDist(spec_path, AllReduce())
+    with tf.Graph().as_default(), ad.scope():
+        built = models.dense_mlp(SGD)
+        sess = ad.create_distributed_session()
+        (x, xs), (y, ys) = built.feeds.items()
+        fed = sess.run([built.loss], {x: xs, y: ys})
+        made = dict(sess._callables)  # pylint: disable=protected-access
+        assert len(made) == 1
+        assert sess.run([built.loss], {x: xs, y: ys}) == fed
+        assert sess._callables == made  # pylint: disable=protected-access
+        as_lists = sess.run([built.loss], {x: xs.tolist(), y: ys.astype(np.float64)})
+        np.testing.assert_allclose(as_lists, fed, rtol=1e-6)
+        assert sess._callables == made  # pylint: disable=protected-access
+        with pytest.raises(ValueError, match=r"Cannot feed value of shape \(8, 5\)"):
+            sess.run([built.loss], {x: np.zeros((8, 5), np.float32), y: ys})
+        trained = sess.run([built.loss, built.train_op], {x: xs, y: ys})
+        assert trained[0] == fed[0] and trained[1] is None
+        assert len(sess._callables) == 2  # pylint: disable=protected-access
+        assert sess.run([built.loss], {x: xs, y: ys})[0] < fed[0]
+
+
 def test_strategy_is_none_until_the_session_exists(spec_path):
     ad = AutoDist(spec_path, PartitionedPS())
     assert ad.strategy is None

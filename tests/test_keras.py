@@ -407,13 +407,16 @@ def test_a_step_brings_its_small_state_back_in_its_own_session_run(spec_path, mo
                            copy_back="on_request")
     batches = list(km.batches(*km.data("mlp")))
     step(*batches[0])
-    session, runs = step.step.session.tf_session, []
-    run = session.run
-    monkeypatch.setattr(session, "run", lambda *args, **kwargs: runs.append(args) or run(
-        *args, **kwargs))
+    # The step's own run goes through AutoDist's session; any other run would go
+    # straight to the plain session.
+    distributed, steps_runs, other_runs = step.step.session, [], []
+    for session, runs in ((distributed, steps_runs), (distributed.tf_session, other_runs)):
+        monkeypatch.setattr(session, "run", functools.partial(
+            lambda run, runs, *args, **kwargs: runs.append(args) or run(*args, **kwargs),
+            session.run, runs))
     for calls, batch in enumerate(batches[1:], start=2):
         step(*batch)
-        assert len(runs) == calls - 1
+        assert (len(steps_runs), len(other_runs)) == (calls - 1, 0)
         assert int(optimizer.iterations.numpy()) == calls
 
 
@@ -952,28 +955,38 @@ def test_a_steps_graph_holds_no_weight_values_which_initialization_feeds(spec_pa
         np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
 
 
-def test_variables_of_few_bytes_are_read_and_assigned_in_one_call():
+@pytest.mark.parametrize("packed", [False, True], ids=["one op each", "one traced call"])
+def test_variables_of_few_bytes_are_read_and_assigned_together(packed, monkeypatch):
     """The small state AutoDist copies at every step (metrics, the optimizer's
-    scalars) goes through one traced call each way, its values packed one flat
-    tensor per dtype, also where a graph is the default."""
+    scalars) goes through one raw eager op per variable, or, for more than a
+    few variables, through one traced call each way, its values packed one flat
+    tensor per dtype; both also where a graph is the default."""
+    if packed:
+        monkeypatch.setattr(EagerVariables, "PER_OP_LIMIT", 3)
     rate, counts, label = tf.Variable(0.1), tf.Variable([1, 2], dtype=tf.int64), tf.Variable(b"a")
     matrix = tf.Variable(np.zeros((2, 3), np.float32))
     together = EagerVariables([rate, counts, label, matrix])
+    assert together.packed == packed
     grid = np.arange(6, dtype=np.float32).reshape(2, 3)
     with tf.Graph().as_default():
         together.assign([np.float32(0.5), np.array([3, 4]), np.array(b"b", dtype=object), grid])
         values = together.read()
     assert (rate.numpy(), counts.numpy().tolist(), label.numpy()) == (0.5, [3, 4], b"b")
+    assert counts.dtype == tf.int64 and matrix.shape == (2, 3)
     np.testing.assert_array_equal(matrix.numpy(), grid)
     np.testing.assert_array_equal(values[3], grid)
     rate.assign(0.7)
-    assert values[0] == 0.5  # an array of its own
+    matrix.assign(grid + 1)
+    assert values[0] == 0.5  # arrays of their own
+    np.testing.assert_array_equal(values[3], grid)
     together.assign([np.float32(0.25), np.array([5, 6]), np.array(b"c", dtype=object), -grid])
     assert together.read()[0] == 0.25
     np.testing.assert_array_equal(matrix.numpy(), -grid)
-    # float32, int64, string: three packed arguments for four variables
-    assign = together._assign  # pylint: disable=protected-access
-    assert len(assign.structured_input_signature[0]) == 3
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError)):
+        together.assign([np.float32(0.5), np.array([3, 4, 5]), np.array(b"b", dtype=object), grid])
+    if packed:  # float32, int64, string: three packed arguments for four variables
+        assign = together._assign_traced  # pylint: disable=protected-access
+        assert len(assign.structured_input_signature[0]) == 3
 
 
 def test_a_step_restores_only_the_small_state_keras_code_changed(spec_path, monkeypatch):

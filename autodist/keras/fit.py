@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import keras
 import tensorflow as tf
 
-from autodist import _keras_compat
+from autodist import _keras_compat, _tf_compat
 from autodist.keras import saving
 from autodist.keras.function import DistributedStep
 from autodist.keras.step import LiftedStep, StepCache
@@ -126,7 +126,8 @@ class _FitRunner:
         self._steps = StepCache(self._model.train_step, self._replicas,
                                 lambda lifted: DistributedStep(lifted, self._open_session(lifted)),
                                 autograph=False)
-        self._metrics_result = tf.function(self._model.get_metrics_result)
+        self._metrics_traced = tf.function(self._model.get_metrics_result)
+        self._metrics_call = None  # traced after the first step, which builds the metrics
 
     def fit(self, *args, **kwargs):
         """``model.fit``, with a callback that copies the trained values back first."""
@@ -207,6 +208,13 @@ class _FitRunner:
         if not self._in_fit:
             self.copy_to_model()
         return _logs(outputs, self._metrics_result())
+
+    def _metrics_result(self) -> dict:
+        """The model's metric results, in one flat call (``_tf_compat.called_flat``)."""
+        if self._metrics_call is None:
+            self._metrics_call = _tf_compat.called_flat(
+                self._metrics_traced.get_concrete_function())
+        return self._metrics_call()
 
     def keras_code_runs(self, weights: bool = False) -> None:
         """Keras code runs before the next step: it may change the small state.
