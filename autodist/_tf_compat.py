@@ -375,10 +375,10 @@ class EagerVariables:
         signature = [tf.TensorSpec([ends[-1]], dtype)
                      for (dtype, _), ends in zip(self._groups, self._ends)]
         with context.eager_mode():
-            self._read_traced = tf.function(self._read_packed).get_concrete_function()
+            read = tf.function(self._read_packed).get_concrete_function()
             self._assign_traced = tf.function(
                 self._assign_packed, input_signature=signature).get_concrete_function()
-        self._read, self._assign = called_flat(self._read_traced), called_flat(self._assign_traced)
+        self._read, self._assign = called_flat(read), called_flat(self._assign_traced)
 
     @property
     def packed(self) -> bool:
