@@ -5,6 +5,7 @@ from autodist import _startup
 __all__ = ["AutoDist"]
 
 _startup.install()  # before anything imports TensorFlow
+_startup.own_thread_pools()  # before TensorFlow creates its first device
 
 
 def __getattr__(name: str):

@@ -1,4 +1,5 @@
-"""Keeps TensorFlow's C++ start-up logs out of the user's way.
+"""What must be set before TensorFlow creates its devices: its C++ start-up logs
+kept out of the user's way, and a thread pool of each device's own.
 
 TensorFlow's native libraries log while they load and while the devices are
 first listed (oneDNN notices, missing CUDA drivers, CPU features), before
@@ -10,6 +11,15 @@ passed on; later C++ logs are left to ``TF_CPP_MIN_LOG_LEVEL``, 3 unless set.
 
 ``install()`` is the one place this process-wide import hook is installed; it
 removes itself once both modules are loaded.
+
+``own_thread_pools()`` gives every CPU device TensorFlow creates its own
+intra-op pool, sized by the config of the session or server that creates it.
+By default the first device made in the process (the eager context's, at the
+first eager op) creates one pool that every later device shares, whatever a
+session's ``intra_op_parallelism_threads`` says: two CPU replicas then split
+each small product over the same threads and wait on each other.
+TensorFlow reads the switch once, when it creates its first device, so it
+takes effect only if ``autodist`` is imported before the first eager op.
 """
 from __future__ import annotations
 
@@ -23,6 +33,8 @@ import tempfile
 from typing import Iterator
 
 LOGS_ENV = "AUTODIST_TF_LOGS"
+# TensorFlow's switch (read by LocalDevice) from one shared intra-op pool to a pool per device.
+OWN_POOLS_ENV = "TF_OVERRIDE_GLOBAL_THREADPOOL"
 _QUIETED = ("tensorflow", "keras")
 # absl's notice, a C++ log line ("I0000 00:00:1795.. 2429 port.cc:153] ..."), and
 # the second line of the CPU-features notice.
@@ -54,6 +66,13 @@ def install() -> None:
     pending = [name for name in _QUIETED if name not in sys.modules]
     if pending and not any(isinstance(f, _QuietFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _QuietFinder(pending))
+
+
+def own_thread_pools() -> None:
+    """Gives each CPU device made from now on an intra-op pool of its own, unless the
+    user set ``TF_OVERRIDE_GLOBAL_THREADPOOL`` (to 0: one shared pool, as TensorFlow's
+    default)."""
+    os.environ.setdefault(OWN_POOLS_ENV, "1")
 
 
 @contextlib.contextmanager

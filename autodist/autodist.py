@@ -335,6 +335,7 @@ class AutoDist:
         options.opt_level = tf.compat.v1.OptimizerOptions.L0
         options.do_common_subexpression_elimination = True
         intra, inter = self._threads
+        intra = intra or _intra_op_threads(self._resource_spec.node_replicas(self._role.address))
         if intra:
             config.intra_op_parallelism_threads = intra
         if inter:
@@ -342,6 +343,18 @@ class AutoDist:
         if user_config is not None:
             config.MergeFrom(user_config)
         return config
+
+
+def _intra_op_threads(replicas: list) -> Optional[int]:
+    """The intra-op threads of each CPU device when a node's ``replicas`` are several of
+    its CPUs: its cores split between them (each device has a pool of its own,
+    ``_startup.own_thread_pools``). Replicas that all split every small product over
+    every core wait on each other's halves. None (TensorFlow's default, every core)
+    for one replica or GPU replicas."""
+    cpu_replicas = [d for d in replicas if d.device_type == "CPU"]
+    if len(cpu_replicas) < 2:
+        return None
+    return max(1, len(os.sched_getaffinity(0)) // len(cpu_replicas))
 
 
 def _threads(name: str) -> Optional[int]:

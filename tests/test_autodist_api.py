@@ -1,11 +1,15 @@
 """The user-facing contract of the AutoDist front class and its session."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import models
 from autodist import AutoDist
-from autodist.resource_spec import ResourceSpecError
+from autodist.resource_spec import DeviceSpec, ResourceSpecError
 from autodist.strategy import (PS, AllReduce, PartitionedPS, RandomAxisPartitionAR, Strategy,
                                StrategyError)
 
@@ -324,3 +328,51 @@ def test_a_graph_over_protobufs_limit_is_refused_by_name():
                                              r"2\.15 GB \('a/Initializer/initial_value' 1100\.0 MB, "
                                              r"'b/Initializer/initial_value' 1100\.0 MB\)"):
             _graph_def(graph)
+
+
+# ----------------------------------------------------------------------------- thread pools
+
+_THREADS_OF_A_SESSION = """
+import os, sys
+import tensorflow as tf
+from autodist import AutoDist
+tf.constant(1.0) + 1  # the eager context makes its devices first, as in a user's script
+ad = AutoDist(sys.argv[1])
+with tf.Graph().as_default(), ad.scope():
+    v = tf.compat.v1.get_variable("v", [4], initializer=tf.compat.v1.ones_initializer())
+    train = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_sum(v * v))
+    before = len(os.listdir("/proc/self/task"))
+    with ad.create_distributed_session() as sess:
+        sess.run(train)
+        print("THREADS", len(os.listdir("/proc/self/task")) - before)
+"""
+
+
+def _threads_a_session_adds(spec: str, **env) -> int:
+    environment = {k: v for k, v in os.environ.items() if k != "AUTODIST_INTRA_OP_THREADS"}
+    done = subprocess.run([sys.executable, "-c", _THREADS_OF_A_SESSION, spec],
+                          capture_output=True, text=True, timeout=120,
+                          env={**environment, **env})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return int(done.stdout.split("THREADS")[-1])
+
+
+def test_cpu_replicas_split_the_cores_each_in_a_pool_of_its_own(spec_path):
+    """Two CPU replicas each get an intra-op pool of half the cores. TensorFlow's default,
+    one pool that the eager context makes and every device shares, is what
+    ``TF_OVERRIDE_GLOBAL_THREADPOOL=0`` keeps: the session then adds no such threads."""
+    per_replica = max(1, len(os.sched_getaffinity(0)) // 2)
+    own = _threads_a_session_adds(spec_path)
+    shared = _threads_a_session_adds(spec_path, TF_OVERRIDE_GLOBAL_THREADPOOL="0")
+    assert own - shared >= 2 * per_replica
+
+
+def test_the_intra_op_threads_split_a_nodes_cores_between_its_cpu_replicas():
+    from autodist.autodist import _intra_op_threads
+    cores = len(os.sched_getaffinity(0))
+    cpus = [DeviceSpec("localhost", "CPU", i) for i in range(4)]
+    assert _intra_op_threads(cpus[:2]) == max(1, cores // 2)
+    assert _intra_op_threads(cpus) == max(1, cores // 4)
+    assert _intra_op_threads(cpus[:1]) is None  # one replica: every core, as TensorFlow's
+    assert _intra_op_threads([DeviceSpec("localhost", "GPU", 0),
+                              DeviceSpec("localhost", "GPU", 1)]) is None
