@@ -522,6 +522,40 @@ def test_ad_function_names_a_keyword_only_parameter(spec_path):
         train(np.ones((2, 1), np.float32), targets=np.ones((2, 1), np.float32))
 
 
+def test_batches_alike_find_their_step_without_a_signature(spec_path, monkeypatch):
+    """A batch of the last one's structure, dtypes and shapes reuses its step's key; a
+    batch of other rows, or another dtype, is looked up by its signature."""
+    from autodist.keras import step as step_module
+    signatures = []
+    original = step_module.signature
+    monkeypatch.setattr(step_module, "signature",
+                        lambda *args: signatures.append(args) or original(*args))
+    ad = AutoDist(resource_spec_file=spec_path, strategy_builder=AllReduce())
+    with ad.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        optimizer = keras.optimizers.SGD(0.1)
+
+    @ad.function
+    def train(features, targets):
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean(keras.ops.square(model(features) - targets))
+        optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+        return loss
+
+    x, y = data()
+    train(x[:BATCH], y[:BATCH])
+    train(x[BATCH:2 * BATCH], y[BATCH:2 * BATCH])  # the first lookup after the trace
+    traced, step = len(signatures), train.step
+    train(x[:BATCH], y[:BATCH])
+    assert len(signatures) == traced
+    train(tf.constant(x[:BATCH]), tf.constant(y[:BATCH]))  # a tensor, not an array
+    train(tf.constant(x[BATCH:2 * BATCH]), tf.constant(y[BATCH:2 * BATCH]))
+    assert len(signatures) == traced + 1
+    train(x[:BATCH - 2], y[:BATCH - 2])  # fewer rows: the same step, its batch dimension free
+    assert len(signatures) == traced + 2
+    assert train.step is step
+
+
 # ----------------------------------------------------------------------------- compile again
 
 def test_compiling_again_outside_the_scope_trains_with_the_new_optimizer_and_loss(spec_path):
