@@ -6,32 +6,32 @@ classifier: a title (10 word ids) and a body (100 word ids) each go through an
 12 tag features, and feed two heads, a priority (1 logit, binary
 cross-entropy) and a department (4 logits, categorical cross-entropy), with
 ``loss_weights`` 1.0 and 0.2, RMSprop (1e-3). ``fit`` runs 4 epochs of 40
-batches of 32 rows of synthetic data: 115 timed steps a job, as this VM's
-speed drifts by a third over seconds, within a job as between jobs.
+batches of 32 rows of synthetic data: 115 timed steps a system and round.
 
-Systems, each a fresh process with TensorFlow's default thread pools (as a
-user runs it):
+Systems, each in a process of its own with TensorFlow's default thread pools
+(as a user runs it):
 
 * ``keras``: plain Keras on one device (the reference);
 * ``AllReduce``: AutoDist, one node with two CPU replicas (``configs/local_2cpu.yml``);
 * ``AllReduce, 1 replica``: AutoDist on one CPU replica: what AutoDist's own
   machinery costs, without a second replica's work;
 * ``MirroredStrategy``: ``tf.distribute.MirroredStrategy`` over two logical CPU
-  devices, the peer;
-* ``AllReduce and keras, one process``: AutoDist's two replicas and plain Keras
-  in one process, a plain-Keras step run after each of AutoDist's (its
-  ``train_function``, outside AutoDist's timed batch): a ratio this VM's drift
-  over seconds, which moves whole jobs, cannot move.
+  devices, the peer.
 
-Method: rounds are interleaved (round 1 runs every system once, then round 2,
-...). In a job a callback times ``on_train_batch_begin`` -> ``on_train_batch_end``
-of the batches after the first ``--warmup`` and reports their median; a
-system's figure is the median over rounds. Each round's own ratio (AutoDist's
-two replicas against plain Keras, run one after the other) is shown too. The
-timer reads no weights and says so (``autodist_reads_weights = False``).
+Method: the systems' processes train in lockstep, one step each in turn (the
+order reversed every other cycle): each waits in ``on_train_batch_begin``
+until the coordinator lets it run one batch, times ``on_train_batch_begin`` ->
+``on_train_batch_end``, and reports back before the next process runs. So
+every system runs alone on the cores, and this VM's speed, which drifts by a
+third over seconds, moves the steps of one cycle alike. A round is one such
+run of fresh processes; in it a system's figure is the median of its steps
+after the first ``--warmup``, and the two-replica ratio is the median over
+the cycles of AutoDist's step over plain Keras's in the same cycle. The table
+gives medians over the rounds. The timer reads no weights and says so
+(``autodist_reads_weights = False``).
 
 Goal (issue 29): AutoDist's step on one node with two replicas within
-``GOAL_RATIO`` of plain Keras's.
+``GOAL_RATIO`` of plain Keras's (the median per-cycle ratio).
 
 Usage:
     python benchmarks/keras_mimo.py                  # writes docs/benchmarks.md
@@ -43,25 +43,27 @@ The table is printed and, unless ``--no-write``, written into ``--out`` between
 from __future__ import annotations
 
 import argparse
-import functools
-import json
 import os
+import queue
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
+from typing import Optional
 
 import report
 
 BEGIN = "<!-- keras_mimo:begin -->"
 END = "<!-- keras_mimo:end -->"
 HEADING, ANCHOR = next(s for s in report.SECTIONS if s[0].endswith("(`keras_mimo`)"))
-INTERLEAVED = "AllReduce and keras, one process"
-SYSTEMS = ("keras", "AllReduce", "AllReduce, 1 replica", "MirroredStrategy", INTERLEAVED)
+SYSTEMS = ("keras", "AllReduce", "AllReduce, 1 replica", "MirroredStrategy")
 GOAL_RATIO = 1.3
 WORDS, TAGS, DEPARTMENTS = 10000, 12, 4
 TITLE_WORDS, BODY_WORDS = 10, 100
 ROWS, BATCH = 1280, 32
-_RESULT_TAG = "KERAS_MIMO_RESULT "
+# A worker's lines to the coordinator: waiting for its go, a batch's seconds, fit's end.
+_READY, _STEP_TAG, _DONE = "KERAS_MIMO_READY", "KERAS_MIMO_STEP ", "KERAS_MIMO_DONE"
 
 
 def _data():
@@ -95,37 +97,24 @@ def _build():
     return model
 
 
-def run_job(system: str, epochs: int, warmup: int) -> dict:
-    """Builds and fits the model under ``system`` in this process; the median step in s
-    (for ``INTERLEAVED`` also plain Keras's, and the median ratio of a batch pair)."""
+def run_worker(system: str, epochs: int) -> None:
+    """Builds and fits the model under ``system`` in this process, one batch per
+    ``go`` line read from stdin; writes each batch's seconds to stdout."""
     import time
     import keras
     import tensorflow as tf
 
-    class Timer(keras.callbacks.Callback):
+    class LockstepTimer(keras.callbacks.Callback):
         autodist_reads_weights = False
 
-        def __init__(self, then=None):
-            super().__init__()
-            self.times, self._start = [], 0.0
-            self._then, self.then_times = then, []
-
         def on_train_batch_begin(self, batch, logs=None):
+            print(_READY, flush=True)
+            sys.stdin.readline()  # the coordinator's go
             self._start = time.perf_counter()
 
         def on_train_batch_end(self, batch, logs=None):
-            self.times.append(time.perf_counter() - self._start)
-            if self._then is not None:
-                start = time.perf_counter()
-                self._then()
-                self.then_times.append(time.perf_counter() - start)
+            print(f"{_STEP_TAG}{time.perf_counter() - self._start}", flush=True)
 
-    then = None
-    if system == INTERLEAVED:
-        plain = _build()
-        plain.make_train_function()
-        batches = iter(tf.data.Dataset.from_tensor_slices(_data()).batch(BATCH).repeat())
-        then = functools.partial(plain.train_function, batches)
     if system == "keras":
         model = _build()
     elif system == "MirroredStrategy":
@@ -140,67 +129,134 @@ def run_job(system: str, epochs: int, warmup: int) -> dict:
                 else os.path.join(report.REPO, "configs", "local_2cpu.yml"))
         with AutoDist(spec, get_builder("AllReduce")).scope():
             model = _build()
-    timer = Timer(then)
     inputs, targets = _data()
-    model.fit(inputs, targets, epochs=epochs, batch_size=BATCH, verbose=0, callbacks=[timer])
-    result = {"system": system, "step_s": statistics.median(timer.times[warmup:]),
-              "steps": len(timer.times) - warmup}
-    if then is not None:
-        pairs = list(zip(timer.times[warmup:], timer.then_times[warmup:]))
-        result.update(keras_step_s=statistics.median(k for _, k in pairs),
-                      pair_ratio=statistics.median(a / k for a, k in pairs))
-    return result
+    model.fit(inputs, targets, epochs=epochs, batch_size=BATCH, verbose=0,
+              callbacks=[LockstepTimer()])
+    print(_DONE, flush=True)
 
 
-def measure(args) -> tuple:
-    """System -> its median step of every round (None for a failed job); and per round
-    of ``INTERLEAVED``, (its plain-Keras median step, its median batch-pair ratio)."""
-    steps = {system: [] for system in args.systems}
-    paired = []
+class _Worker:
+    """One system's process, driven a batch at a time; a process silent for ``timeout``
+    seconds counts as failed."""
+
+    def __init__(self, system: str, args):
+        command = [sys.executable, os.path.abspath(__file__), "--job", system,
+                   "--epochs", str(args.epochs)]
+        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+        self.system, self.error, self.done = system, None, False
+        self._timeout = args.timeout
+        self._stderr = tempfile.TemporaryFile(mode="w+")  # a pipe left unread could fill
+        self._process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=self._stderr, text=True, env=env)
+        self._lines = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self._wait_ready()
+
+    def _read(self) -> None:
+        for line in self._process.stdout:
+            self._lines.put(line.strip())
+        self._lines.put(None)  # the process closed its output
+
+    def _line(self) -> str:
+        try:
+            line = self._lines.get(timeout=self._timeout)
+        except queue.Empty:
+            line = None
+            self._process.kill()
+            self.error = f"silent for {self._timeout:.0f} s"
+        if line is None:
+            self.done = True
+            self._process.wait()
+            if self.error is None:
+                self._stderr.seek(0)
+                self.error = (self._stderr.read().strip().splitlines() or ["no output"])[-1]
+            return ""
+        return line
+
+    def _wait_ready(self) -> None:
+        """Reads to the process's next ``ready`` (or its end)."""
+        while not self.done:
+            line = self._line()
+            if line == _READY:
+                return
+            if line == _DONE:
+                self.done = True
+
+    def step(self) -> Optional[float]:
+        """Lets the process run one batch; its seconds, once it waits for the next."""
+        try:
+            self._process.stdin.write("go\n")
+            self._process.stdin.flush()
+        except BrokenPipeError:
+            pass  # it ended: _line reads why
+        seconds = None
+        while not self.done and seconds is None:
+            line = self._line()
+            if line.startswith(_STEP_TAG):
+                seconds = float(line[len(_STEP_TAG):])
+        self._wait_ready()
+        return seconds
+
+    def close(self) -> None:
+        self._process.kill()
+        self._process.wait()
+        self._stderr.close()
+
+
+def run_round(args) -> dict:
+    """One lockstep run of fresh processes: system -> its steps' seconds (None when
+    its process failed), the steps of one cycle at one index."""
+    workers = [_Worker(system, args) for system in args.systems]
+    steps = {worker.system: [] for worker in workers}
+    try:
+        cycle = 0
+        while all(not worker.done for worker in workers):
+            for worker in (workers if cycle % 2 == 0 else workers[::-1]):
+                steps[worker.system].append(worker.step())
+            cycle += 1
+    finally:
+        for worker in workers:
+            worker.close()
+    for worker in workers:
+        if worker.error:
+            print(f"{worker.system} failed: {worker.error}", flush=True)
+            steps[worker.system] = None
+    return steps
+
+
+def measure(args) -> list:
+    """Per round, (system -> its median step or None, the median per-cycle ratio of
+    AutoDist's two replicas over plain Keras, or None)."""
+    rounds = []
     for round_index in range(args.rounds):
-        for system in args.systems:
-            command = [sys.executable, os.path.abspath(__file__), "--job", system,
-                       "--epochs", str(args.epochs), "--warmup", str(args.warmup)]
-            env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-            try:
-                done = subprocess.run(command, capture_output=True, text=True, env=env,
-                                      timeout=args.timeout)
-                lines = [line for line in done.stdout.splitlines()
-                         if line.startswith(_RESULT_TAG)]
-                result = json.loads(lines[-1][len(_RESULT_TAG):]) if lines else None
-                error = None if result else (done.stderr.strip().splitlines() or ["no output"])[-1]
-            except subprocess.TimeoutExpired:
-                result, error = None, f"timed out after {args.timeout:.0f} s"
-            steps[system].append(result["step_s"] if result else None)
-            shown = f"{result['step_s'] * 1e3:.1f} ms" if result else f"failed: {error}"
-            if result and "pair_ratio" in result:
-                paired.append((result["keras_step_s"], result["pair_ratio"]))
-                shown += (f", plain Keras {result['keras_step_s'] * 1e3:.1f} ms, "
-                          f"pair ratio {result['pair_ratio']:.2f}")
-            print(f"round {round_index + 1} {system}: {shown}", flush=True)
-    return steps, paired
+        steps = run_round(args)
+        medians = {system: statistics.median(times[args.warmup:]) if times else None
+                   for system, times in steps.items()}
+        keras_steps, two = steps.get("keras"), steps.get("AllReduce")
+        ratio = (statistics.median(a / k for a, k in zip(two[args.warmup:],
+                                                          keras_steps[args.warmup:]))
+                 if keras_steps and two else None)
+        rounds.append((medians, ratio))
+        shown = ", ".join(f"{system} {_ms(step)} ms" for system, step in medians.items())
+        print(f"round {round_index + 1}: {shown}; two replicas / keras per cycle "
+              f"{'n/a' if ratio is None else f'{ratio:.2f}'}", flush=True)
+    return rounds
 
 
-def summarize(steps: dict) -> dict:
+def summarize(rounds: list) -> dict:
     """System -> (median step over the rounds, or None, failed rounds)."""
     out = {}
-    for system, times in steps.items():
-        good = [t for t in times if t is not None]
-        out[system] = (statistics.median(good) if good else None, len(times) - len(good))
+    for system in rounds[0][0]:
+        good = [medians[system] for medians, _ in rounds if medians[system] is not None]
+        out[system] = (statistics.median(good) if good else None, len(rounds) - len(good))
     return out
-
-
-def round_ratios(steps: dict) -> list:
-    """Per round in which both ran, AutoDist's two-replica step over plain Keras's."""
-    return [two / keras for keras, two in zip(steps.get("keras", []), steps.get("AllReduce", []))
-            if keras and two]
 
 
 def _ms(value) -> str:
     return "failed" if value is None else f"{value * 1e3:.1f}"
 
 
-def format_markdown(table: dict, ratios: list, paired: list, args, command: str) -> str:
+def format_markdown(table: dict, ratios: list, args, command: str) -> str:
     info = report.machine_info()
     reference = table.get("keras", (None, 0))[0]
     lines = [
@@ -212,38 +268,28 @@ def format_markdown(table: dict, ratios: list, paired: list, args, command: str)
         f"**Goal:** AutoDist with two replicas within {GOAL_RATIO}x plain Keras's step "
         "(issue 29).", "",
         f"Measured {info['date']} on {info['cores']} cores ({info['cpu']}), TensorFlow "
-        f"{info['tf']}, Python {info['python']}; TensorFlow's default thread pools; median over "
-        f"{args.rounds} interleaved rounds of fresh jobs, each the median of its steps after "
-        f"{args.warmup} warm-up steps; 1-minute load {info['load']} at the end.", "",
+        f"{info['tf']}, Python {info['python']}; each system's default thread pools "
+        "(AutoDist's two CPU replicas: an intra-op pool each, of half the cores). Each "
+        "system in a process of its own, the processes one step each in turn (lockstep); "
+        f"{args.rounds} rounds of fresh processes, each system's figure the median of its "
+        f"steps after {args.warmup} warm-up steps, then the median over the rounds; 1-minute "
+        f"load {info['load']} at the end.", "",
         f"Command: `{command}`", "",
-        "| system | median step ms | vs plain Keras | failed rounds |",
+        "| system | median step ms | vs plain Keras (ratio of the medians) | failed rounds |",
         "|---|--:|--:|--:|"]
-    # INTERLEAVED's ratio is against the plain-Keras steps of its own process.
-    pair = statistics.median(ratio for _, ratio in paired) if paired else None
     for system, (step, failed) in table.items():
         ratio = f"{step / reference:.2f}x" if step and reference else "n/a"
-        if system == INTERLEAVED:
-            ratio = f"{pair:.2f}x (its own Keras)" if pair else "n/a"
         lines.append(f"| {system} | {_ms(step)} | {ratio} | {failed} |")
     lines += ["", "Findings:", ""]
     two = table.get("AllReduce", (None, 0))[0]
-    if two and reference:
-        verdict = "met" if two / reference <= GOAL_RATIO else "**not met**"
-        lines.append(f"- AutoDist, two replicas: {two / reference:.2f}x plain Keras's step; "
-                     f"goal <= {GOAL_RATIO}x {verdict}.")
     if ratios:
-        lines.append("- Round by round, two replicas against plain Keras: "
+        ratio = statistics.median(ratios)
+        verdict = "met" if ratio <= GOAL_RATIO else "**not met**"
+        lines.append(f"- AutoDist, two replicas, against plain Keras in the same cycle: "
+                     f"{ratio:.2f}x (median over the rounds; rounds: "
                      + ", ".join(f"{r:.2f}x" for r in ratios)
-                     + f" (median {statistics.median(ratios):.2f}x).")
-    inner = table.get(INTERLEAVED, (None, 0))[0]
-    if inner and pair:
-        verdict = "met" if pair <= GOAL_RATIO else "**not met**"
-        lines.append(
-            f"- In one process, batch by batch: AutoDist {_ms(inner)} ms, plain Keras "
-            f"{_ms(statistics.median(k for k, _ in paired))} ms; a batch pair's ratio, median "
-            f"over the rounds, {pair:.2f}x (rounds: "
-            + ", ".join(f"{ratio:.2f}x" for _, ratio in paired)
-            + f"); goal <= {GOAL_RATIO}x {verdict}.")
+                     + f"); goal <= {GOAL_RATIO}x {verdict}. The ratio of the two medians, "
+                     "from steps of different cycles, is the table's.")
     peer = table.get("MirroredStrategy", (None, 0))[0]
     if two and peer:
         lines.append(f"- Against `MirroredStrategy` on the same two logical CPUs AutoDist's step "
@@ -261,12 +307,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS,
                         help="systems to time (default: all)")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default: 5)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="lockstep runs of fresh processes (default: 3)")
     parser.add_argument("--epochs", type=int, default=4, help="epochs per job (default: 4)")
     parser.add_argument("--warmup", type=int, default=45,
                         help="untimed batches first (default: 45)")
     parser.add_argument("--timeout", type=float, default=300.0,
-                        help="seconds per job (default: 300)")
+                        help="seconds a process may take for one step (default: 300)")
     parser.add_argument("--out", default=os.path.join(report.REPO, "docs", "benchmarks.md"),
                         help="markdown file whose keras_mimo section is rewritten")
     parser.add_argument("--no-write", action="store_true", help="only print the table")
@@ -275,20 +322,22 @@ def main(argv=None) -> int:
     if args.job:
         if report.REPO not in sys.path:
             sys.path.insert(0, report.REPO)
-        print(_RESULT_TAG + json.dumps(run_job(args.job, args.epochs, args.warmup)), flush=True)
+        run_worker(args.job, args.epochs)
         return 0
     if args.warmup >= args.epochs * ROWS // BATCH:
         parser.error(f"--warmup {args.warmup} leaves no step of {args.epochs} epochs of "
                      f"{ROWS // BATCH} batches to time")
-    steps, paired = measure(args)
-    table, ratios = summarize(steps), round_ratios(steps)
+    rounds = measure(args)
+    table = summarize(rounds)
+    ratios = [ratio for _, ratio in rounds if ratio is not None]
     for system, (step, failed) in table.items():
         print(f"{system}: {_ms(step)} ms per step ({failed} failed rounds)")
     if ratios:
-        print("two replicas / keras per round: " + " ".join(f"{r:.2f}" for r in ratios))
+        print("two replicas / keras per cycle, per round: "
+              + " ".join(f"{r:.2f}" for r in ratios))
     if not args.no_write:
         command = report.command_line("benchmarks/keras_mimo.py", parser, args)
-        markdown = format_markdown(table, ratios, paired, args, command)
+        markdown = format_markdown(table, ratios, args, command)
         report.write_section(args.out, markdown, BEGIN, END)
         report.add_contents_entry(args.out, HEADING, ANCHOR)
         print(f"wrote the keras_mimo section of {args.out}")
