@@ -476,6 +476,71 @@ print("trained")
     assert "was changed by setting attribute" not in done.stderr, done.stderr[-2000:]
 
 
+# ----------------------------------------------------------------------------- loops
+
+class ScaledCell(keras.layers.Layer):
+    """An RNN cell reading a non-trainable weight every step (``keras.layers.RNN`` runs
+    it in a loop); with ``counts``, also counting its calls into a non-trainable."""
+
+    def __init__(self, units: int, counts: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        self.units, self.state_size, self._counts = units, units, counts
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], self.units), name="kernel")
+        self.scale = self.add_weight(shape=(), initializer=keras.initializers.Constant(0.5),
+                                     trainable=False, name="scale")
+        self.calls = self.add_weight(shape=(), initializer="zeros", trainable=False,
+                                     name="calls")
+
+    def call(self, inputs, states):
+        if self._counts:
+            self.calls.assign_add(1.0)
+        output = keras.ops.tanh(keras.ops.matmul(inputs, self.kernel) * self.scale + states[0])
+        return output, [output]
+
+
+def scaled_rnn(counts: bool = False) -> keras.Model:
+    keras.utils.set_random_seed(4)
+    model = keras.Sequential([keras.Input((5, 3)),
+                              keras.layers.RNN(ScaledCell(4, counts, name="cell"), name="rnn"),
+                              keras.layers.Dense(1, name="out")], name="scaled_rnn")
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+    return model
+
+
+def sequences():
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(ROWS, 5, 3)).astype(np.float32)
+    return x, x.sum(axis=(1, 2))[:, None].astype(np.float32)
+
+
+@pytest.mark.parametrize("builder", ["AllReduce", "PS"])
+def test_a_loop_reading_a_non_trainable_weight_runs_on_every_replica(spec_path, builder):
+    """The second replica's loop cannot take the handle of a variable on the first CPU:
+    it reads a copy on its own device, refreshed every step."""
+    (want, _), (got, model) = fit_both(spec_path, BUILDERS[builder](), scaled_rnn, *sequences(),
+                                       epochs=2)
+    assert_same(got, want, f"a loop reading a non-trainable weight under {builder}")
+    graph = model._autodist_fit.step.session.distributed.graph
+    loops = [op for op in graph.get_operations() if op.type in ("While", "StatelessWhile")]
+    assert {op.name.split("/")[0] for op in loops} == {"AutoDist-Replica-0", "AutoDist-Replica-1"}
+    copies = [op for op in graph.get_operations()
+              if op.type == "VarHandleOp" and op.name.endswith("scale/loop_copy")]
+    assert [(op.name.split("/")[0], op.device.split("/")[-1]) for op in copies] == [
+        ("AutoDist-Replica-1", "device:CPU:1")]
+
+
+def test_a_loop_writing_a_non_trainable_variable_is_refused_by_name(spec_path):
+    ad = AutoDist(resource_spec_file=spec_path, strategy_builder=AllReduce())
+    with ad.scope():
+        model = scaled_rnn(counts=True)
+    with pytest.raises(NotImplementedError, match=r"cannot replicate the loop or cond "
+                                                  r"'.*while': it takes the non-trainable "
+                                                  r"variable '.*(scale|calls)'"):
+        model.fit(*sequences(), batch_size=BATCH, epochs=1, verbose=0)
+
+
 # ----------------------------------------------------------------------------- ad.function calls
 
 def keyword_step_run(scope, function):

@@ -4,7 +4,9 @@ The shared part of the graph (inputs, non-trainable variables, initial values)
 is imported once under its original names; the replicated part (everything fed
 by a batch or a trainable variable) is imported once per replica under
 ``AutoDist-Replica-<i>/`` with each replica reading its slice of every batched
-input and its own view of every trainable variable.
+input and its own view of every trainable variable; a loop of a replica that
+takes a non-trainable variable stored on another device takes a copy on its
+own.
 """
 from __future__ import annotations
 
@@ -15,14 +17,18 @@ from typing import Optional
 import tensorflow as tf
 
 from autodist import _tf_compat
-from autodist.graph_item import (FUNCTIONAL_CONTROL_FLOW, KEYED_RANDOM_OPS, GraphItem,
-                                 VariableReads, op_name, tensor_name, through_identities)
+from autodist.graph_item import (FUNCTIONAL_CONTROL_FLOW, KEYED_RANDOM_OPS, RESOURCE_WRITES,
+                                 GraphItem, VariableReads, op_name, tensor_name,
+                                 through_identities)
 from autodist.kernel_context import KernelContext, replica_scope
+from autodist.synchronizers.base import local_variable
 
 _PLACEMENT_ATTRS = ("_class",)
 _VARIABLE_OPS = ("VarHandleOp",)
 _LOWER_ATTR = "_lower_using_switch_merge"
 _LOOPS = ("While", "StatelessWhile")
+# Where a loop or cond of a replica takes its own copy of a shared variable.
+_LOOP_COPY = "autodist_loop_copy"
 
 
 def subgraph_def(item: GraphItem, names: set, external: dict, deferred: list,
@@ -61,6 +67,12 @@ def subgraph_def(item: GraphItem, names: set, external: dict, deferred: list,
     return graph_def
 
 
+def _shared_variables(item: GraphItem) -> set:
+    """The shared (non-trainable) variables' handle ops."""
+    return {node.name for node in item.graph_def.node
+            if node.name in item.shared and node.op in _VARIABLE_OPS}
+
+
 def import_shared(item: GraphItem, ctx: KernelContext, deferred: list) -> None:
     """Imports the shared ops into the default graph under their original names.
 
@@ -68,8 +80,7 @@ def import_shared(item: GraphItem, ctx: KernelContext, deferred: list) -> None:
     has one global step), ops using them directly follow them, the rest of the
     shared ops (inputs, pipelines) stay on this node's ``ctx.shared_device``.
     """
-    variables = {node.name for node in item.graph_def.node
-                 if node.name in item.shared and node.op in _VARIABLE_OPS}
+    variables = _shared_variables(item)
 
     def device_for(node) -> str:
         if node.name in variables:
@@ -144,6 +155,7 @@ def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
     assigned = {name: [] for name in merged}
     row_reads = {name: [] for name in {**gather_rows, **part_products}}
     copied = {node.name for node in graph_def.node}
+    loop_taken = _take_loop_copies(item, graph_def, external, ctx)
     _tune_cpu_loops(item, graph_def, ctx)
     salt = _salt_random_keys(graph_def)
     for replica in range(ctx.num_replicas):
@@ -168,6 +180,16 @@ def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
                     raise NotImplementedError(
                         f"The model reads '{name}', produced by the optimizer's update; "
                         "AutoDist cannot replicate that graph.")
+            for name in loop_taken:
+                handle = graph.get_tensor_by_name(f"{name}:0")
+                if not same_device(handle.device, device):
+                    # TensorFlow runs a loop where the variables it takes are.
+                    op = handle.op
+                    handle = replica_copy_handle(
+                        name, op.get_attr("shape"), op.get_attr("dtype"),
+                        functools.partial(_read, handle, op.get_attr("dtype")), replica,
+                        "loop_copy", ctx)
+                input_map[f"{name}/{_LOOP_COPY}:0"] = handle
         if salt:
             input_map[salt] = tf.constant([replica * _SALT_STRIDE], tf.uint64)
         for node in graph_def.node:
@@ -209,6 +231,98 @@ def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
             writes.append(tf.raw_ops.AssignVariableOp(resource=handle, value=value,
                                                       name=f"{name}/merged"))
     return Replicas(writes, row_reads)
+
+
+def _take_loop_copies(item: GraphItem, graph_def, external: dict, ctx: KernelContext) -> list:
+    """Points the functional loops and conds of the replicated ``graph_def`` that take
+    a shared variable's handle, stored (``import_shared``) off some replica's device,
+    at a name of its own, ``<variable>/autodist_loop_copy``, for ``replicate`` to map
+    per replica: the variable, or a copy of it on a replica's device, as a loop there
+    cannot take a handle of another device's. Drops the ``external`` inputs nothing
+    else takes.
+
+    Returns:
+        the variables taken so.
+
+    Raises:
+        NotImplementedError: naming the loop, for a shared variable that a loop or
+            cond may write (a copy would lose the write).
+    """
+    graph = tf.compat.v1.get_default_graph()
+    replicas = [ctx.replica_tf_device(replica) for replica in range(ctx.num_replicas)]
+    variables = {name for name in _shared_variables(item)
+                 if not all(same_device(graph.get_operation_by_name(name).device, device)
+                            for device in replicas)}
+    nodes = {n.name: n for n in item.graph_def.node}
+    functions = {f.signature.name: f for f in item.graph_def.library.function}
+    taken = set()
+    for node in graph_def.node:
+        if node.op not in FUNCTIONAL_CONTROL_FLOW:
+            continue
+        for index, inp in enumerate(node.input):
+            source = None if inp.startswith("^") else through_identities(nodes, inp)
+            if source not in variables:
+                continue
+            if _writes_resources(node, functions):
+                raise NotImplementedError(
+                    f"AutoDist cannot replicate the loop or cond '{node.name}': it takes the "
+                    f"non-trainable variable '{source}' and writes a variable, and its "
+                    "replicas on other devices would each write a copy of their own. Read "
+                    "the variable before the loop, or write it after.")
+            node.input[index] = f"{source}/{_LOOP_COPY}:0"
+            taken.add(source)
+    left = {tensor_name(inp) for node in graph_def.node for inp in node.input}
+    for name in [name for name in external if name not in left]:
+        del external[name]
+    return sorted(taken)
+
+
+def _writes_resources(node, functions: dict) -> bool:
+    """Whether a functional control-flow ``node``'s functions, or those they call, hold
+    an op writing a resource variable."""
+    pending, seen = [node], set()
+    while pending:
+        current = pending.pop()
+        for value in current.attr.values():
+            names = ([value.func.name] if value.HasField("func")
+                     else [f.name for f in value.list.func])
+            for name in names:
+                if name in functions and name not in seen:
+                    seen.add(name)
+                    pending.extend(functions[name].node_def)
+        if current.op in RESOURCE_WRITES:
+            return True
+    return False
+
+
+def _read(handle: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
+    """A read of ``handle``'s variable, on its device."""
+    with tf.device(handle.device):
+        return tf.raw_ops.ReadVariableOp(resource=handle, dtype=dtype)
+
+
+def replica_copy_handle(name: str, shape, dtype, value, replica: int, label: str,
+                        ctx: KernelContext) -> tf.Tensor:
+    """A variable on the replica's device holding ``value()``, refreshed before reads.
+
+    Any consumer of the variable (reads, gathers, loops) can use it unchanged: a
+    partitioned variable's parts re-stitched, or a copy of a variable stored on
+    another device for a ``tf.while_loop`` or ``tf.cond`` taking it, which
+    TensorFlow places with its variables.
+    """
+    with tf.device(ctx.replica_tf_device(replica)):
+        copy = local_variable(tf.zeros(shape, dtype), f"{replica_scope(replica)}/{name}/{label}")
+        refresh = copy.assign(value())
+        with tf.control_dependencies([refresh]):
+            return tf.identity(copy.handle)
+
+
+def same_device(a: str, b: str) -> bool:
+    """Whether two device names name one device (a field one leaves out matches any)."""
+    spec_a, spec_b = tf.DeviceSpec.from_string(a), tf.DeviceSpec.from_string(b)
+    fields = ("job", "replica", "task", "device_type", "device_index")
+    return all(getattr(spec_a, f) is None or getattr(spec_b, f) is None
+               or getattr(spec_a, f) == getattr(spec_b, f) for f in fields)
 
 
 def read_where_stored(reads: VariableReads, scope: str, gather, products) -> list:

@@ -47,8 +47,7 @@ from autodist.kernels import fills, gradient_processing, node_products, partitio
 from autodist.kernels.accumulator import Accumulation
 from autodist.strategy.compiler import CompiledStrategy, CompiledVariable
 from autodist.synchronizers import KINDS
-from autodist.synchronizers.base import (CollectiveKeys, Member, PartStorage, Reduced,
-                                         local_variable)
+from autodist.synchronizers.base import CollectiveKeys, Member, PartStorage, Reduced
 
 
 @dataclasses.dataclass
@@ -276,7 +275,8 @@ def _create_storage(item: GraphItem, variable: CompiledVariable, ctx: KernelCont
                 handles.append(_replica_copy_handle(variable, stitch, replica, "stitched",
                                                     ctx))
         elif (variable.info.name in item.read_by_control_flow
-              and not _same_device(readers[0].device, ctx.replica_tf_device(replica))):
+              and not replicator.same_device(readers[0].device,
+                                             ctx.replica_tf_device(replica))):
             # A loop taking the variable would run where the variable is stored.
             handles.append(_replica_copy_handle(variable, readers[0].read_value, replica,
                                                 "replica_copy", ctx))
@@ -293,19 +293,9 @@ def _read_by_parts(item: GraphItem, variable: CompiledVariable) -> bool:
 
 def _replica_copy_handle(variable: CompiledVariable, value, replica: int, label: str,
                          ctx: KernelContext) -> tf.Tensor:
-    """A variable on the replica's device holding ``value()``, refreshed before reads.
-
-    Any consumer of the variable (reads, gathers, loops) can use it unchanged: a
-    partitioned variable's parts re-stitched, or a copy of a variable stored on
-    another device for a ``tf.while_loop`` or ``tf.cond`` taking it, which
-    TensorFlow places with its variables.
-    """
-    with tf.device(ctx.replica_tf_device(replica)):
-        copy = local_variable(tf.zeros(variable.info.shape, variable.info.dtype),
-                              f"{replica_scope(replica)}/{variable.info.name}/{label}")
-        refresh = copy.assign(value())
-        with tf.control_dependencies([refresh]):
-            return tf.identity(copy.handle)
+    """``replicator.replica_copy_handle`` for a trainable variable of the strategy."""
+    return replicator.replica_copy_handle(variable.info.name, variable.info.shape,
+                                          variable.info.dtype, value, replica, label, ctx)
 
 
 def _unbacked_handle(variable: CompiledVariable, replica: int, ctx: KernelContext) -> tf.Tensor:
@@ -324,14 +314,6 @@ def _unbacked_handle(variable: CompiledVariable, replica: int, ctx: KernelContex
 
 def _on_cpu(device: str) -> bool:
     return tf.DeviceSpec.from_string(device).device_type == "CPU"
-
-
-def _same_device(a: str, b: str) -> bool:
-    """Whether two device names name one device (a field one leaves out matches any)."""
-    spec_a, spec_b = tf.DeviceSpec.from_string(a), tf.DeviceSpec.from_string(b)
-    fields = ("job", "replica", "task", "device_type", "device_index")
-    return all(getattr(spec_a, f) is None or getattr(spec_b, f) is None
-               or getattr(spec_a, f) == getattr(spec_b, f) for f in fields)
 
 
 def _synchronize(result: DistributedGraph, call: int, synchronizers: dict,
