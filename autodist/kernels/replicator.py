@@ -184,11 +184,10 @@ def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
                 handle = graph.get_tensor_by_name(f"{name}:0")
                 if not same_device(handle.device, device):
                     # TensorFlow runs a loop where the variables it takes are.
-                    op = handle.op
-                    handle = replica_copy_handle(
-                        name, op.get_attr("shape"), op.get_attr("dtype"),
-                        functools.partial(_read, handle, op.get_attr("dtype")), replica,
-                        "loop_copy", ctx)
+                    dtype = handle.op.get_attr("dtype")
+                    handle = replica_copy_handle(name, handle.op.get_attr("shape"), dtype,
+                                                 functools.partial(_read, handle, dtype),
+                                                 replica, "loop_copy", ctx)
                 input_map[f"{name}/{_LOOP_COPY}:0"] = handle
         if salt:
             input_map[salt] = tf.constant([replica * _SALT_STRIDE], tf.uint64)
