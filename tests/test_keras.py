@@ -721,6 +721,53 @@ def test_a_subclassed_model_fits_like_one_device(spec_path):
         np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
 
 
+class FitOverridingMLP(keras.Model):
+    """Overrides ``fit`` as KerasHub's task models do: ``callbacks`` is in ``**kwargs``."""
+
+    def fit(self, x=None, y=None, batch_size=None, **kwargs):
+        return super().fit(x=x, y=y, batch_size=batch_size, **kwargs)
+
+
+class CallbackDroppingMLP(keras.Model):
+    """Overrides ``fit`` and does not pass its keyword arguments on."""
+
+    def fit(self, x=None, y=None, **kwargs):
+        return super().fit(x=x, y=y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+
+
+def _functional(cls, seed: int = 3) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="relu", name="hidden")(inputs)
+    model = cls(inputs, keras.layers.Dense(3, name="out")(hidden))
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+    return model
+
+
+def test_fit_through_an_override_of_fit_matches_single_device(spec_path):
+    x, y = km.data("mlp")
+    single = _functional(FitOverridingMLP)
+    want = single.fit(x, y, **fit_kwargs(epochs=3))
+    ad = AutoDist(spec_path, AllReduce())
+    with ad.scope():
+        model = _functional(FitOverridingMLP)
+    got = model.fit(x, y, **fit_kwargs(epochs=3))
+    assert ad.strategy is not None
+    # Without AutoDist's callback the model kept its initial weights, and the logs of
+    # the later epochs were running means over every epoch (metrics never reset).
+    assert_same(snapshot(model, model.optimizer, got.history),
+                snapshot(single, single.optimizer, want.history))
+
+
+def test_an_override_of_fit_that_drops_the_callbacks_is_refused_by_name(spec_path):
+    x, y = km.data("mlp")
+    with AutoDist(spec_path, AllReduce()).scope():
+        model = _functional(CallbackDroppingMLP)
+    with pytest.raises(NotImplementedError,
+                       match=r"CallbackDroppingMLP.fit does not pass its callbacks on"):
+        model.fit(x, y)
+
+
 def test_callbacks_and_validation_run_during_fit(spec_path, tmp_path):
     x, y = km.data("mlp")
 

@@ -113,6 +113,7 @@ class _FitRunner:
         self._in_fit = False  # else a step is train_on_batch's, copied back at once
         self._keras_code_ran = True  # since the last step: it may have changed the state
         self._weights_may_have_changed = False  # the same for the weights and slots
+        self._sync: Optional[_SyncCallback] = None  # the running fit's callback
 
     @property
     def step(self) -> Optional[DistributedStep]:
@@ -132,8 +133,8 @@ class _FitRunner:
     def fit(self, *args, **kwargs):
         """``model.fit``, with a callback that copies the trained values back first."""
         fit = type(self._model).fit
-        bound = inspect.signature(fit).bind(self._model, *args, **kwargs)
-        callbacks = bound.arguments.get("callbacks")
+        bound, arguments = _bind_fit(fit, self._model, args, kwargs)
+        callbacks = arguments.get("callbacks")
         if self._on_cluster:
             check_callbacks(callbacks.callbacks if isinstance(
                 callbacks, keras.callbacks.CallbackList) else list(callbacks or []))
@@ -145,15 +146,15 @@ class _FitRunner:
         else:
             callbacks = list(callbacks or [])
             sync.watch(callbacks)
-            bound.arguments["callbacks"] = [sync] + callbacks
-        self._in_fit = True
+            arguments["callbacks"] = [sync] + callbacks
+        self._in_fit, self._sync = True, sync
         try:
             return fit(*bound.args, **bound.kwargs)
         except BaseException:
             self._copy_back_after_failure()
             raise
         finally:
-            self._in_fit = False
+            self._in_fit, self._sync = False, None
 
     def _copy_back_after_failure(self) -> None:
         """Copies the values trained before ``fit`` failed (a callback's error, Ctrl-C)
@@ -186,6 +187,12 @@ class _FitRunner:
         return self.train_function
 
     def train_function(self, iterator) -> dict:
+        if self._sync is not None and not self._sync.began:
+            raise NotImplementedError(
+                f"{type(self._model).__name__}.fit does not pass its callbacks on to "
+                "keras.Model.fit, so AutoDist could not add the callback that copies the "
+                "trained values into the model. Pass `callbacks` (or **kwargs) through "
+                "to super().fit().")
         data = next(iterator)
         step = self._steps.find((data,))
         if step is None or step is not self._step:
@@ -238,6 +245,32 @@ class _FitRunner:
             self._slots_stale = self._slots_stale and not slots
 
 
+def _bind_fit(fit: Callable, model: keras.Model, args: tuple, kwargs: dict) -> tuple:
+    """Binds a call of ``fit`` (Keras's own or a subclass's override) to its signature.
+
+    Returns:
+        the bound arguments, and the dict where ``callbacks`` is or goes: the
+        bound arguments themselves, or the keyword arguments an override such
+        as ``fit(self, x=None, y=None, **kwargs)`` passes on to Keras's ``fit``
+        (KerasHub's task models).
+
+    Raises:
+        NotImplementedError: when ``fit`` takes neither ``callbacks`` nor ``**kwargs``.
+    """
+    signature = inspect.signature(fit)
+    bound = signature.bind(model, *args, **kwargs)
+    if "callbacks" in signature.parameters:
+        return bound, bound.arguments
+    rest = next((p.name for p in signature.parameters.values()
+                 if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+    if rest is None:
+        raise NotImplementedError(
+            f"{type(model).__name__}.fit takes no `callbacks` argument and no **kwargs, so "
+            "AutoDist cannot add the callback that copies the trained values into the "
+            "model. Add **kwargs to the override and pass them on to super().fit().")
+    return bound, bound.arguments.setdefault(rest, {})
+
+
 def _logs(outputs, metrics: dict):
     """A step's logs: what ``train_step`` returned, each metric's value taken from the model.
 
@@ -273,6 +306,7 @@ class _SyncCallback(keras.callbacks.Callback):
         self._runner = runner
         self._per_batch = False  # a callback may read the weights after a batch
         self._batch_hooks = False  # a callback's code runs between batches
+        self.began = False  # Keras's fit called it: an override passed it on
 
     def watch(self, callbacks: list) -> None:
         """Copies after every batch too if one of ``callbacks`` acts per batch."""
@@ -280,6 +314,7 @@ class _SyncCallback(keras.callbacks.Callback):
         self._batch_hooks = any(_has_batch_hooks(c) for c in callbacks)
 
     def on_train_begin(self, logs=None):
+        self.began = True
         self._runner.keras_code_runs(weights=True)  # the callbacks after this one
 
     def on_epoch_begin(self, epoch, logs=None):
