@@ -2,7 +2,7 @@
 
 from autodist import _startup
 
-__all__ = ["AutoDist"]
+__all__ = ["AutoDist", "gather_batch"]
 
 _startup.install()  # before anything imports TensorFlow
 _startup.own_thread_pools()  # before TensorFlow creates its first device
@@ -13,4 +13,7 @@ def __getattr__(name: str):
     if name == "AutoDist":
         from autodist.autodist import AutoDist
         return AutoDist
+    if name == "gather_batch":
+        from autodist.cross_replica import gather_batch
+        return gather_batch
     raise AttributeError(f"module 'autodist' has no attribute {name!r}")

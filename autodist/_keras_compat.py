@@ -7,17 +7,26 @@ optimizer applied eagerly inside ``ad.scope()`` (a loop AutoDist does not
 distribute), seeing which models are compiled there, and creating large
 variables without a value (``defer_large_variables``). Each is a patch of a
 class method that a context manager always restores.
+
+It also tells tf_keras (Keras 2, ``tf.keras`` under TF_USE_LEGACY_KERAS) apart,
+which AutoDist does not distribute: a tf_keras model compiled inside
+``ad.scope()`` and a tf_keras optimizer applied in a traced step, found in the
+modules the process has loaded, never by importing tf_keras.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import sys
+import types
 from typing import Callable, Iterator, Optional
 
 import keras
 import numpy as np
 import tensorflow as tf
 from keras.src.backend.tensorflow import core as tf_backend
+from keras.src.backend.tensorflow import nn as tf_nn
 from keras.src.initializers import random_initializers
 from keras.src.optimizers import base_optimizer, loss_scale_optimizer
 from keras.src.saving import saving_lib
@@ -178,6 +187,99 @@ def capture_compile(record: Callable[[keras.Model], None]) -> Iterator[None]:
             del owner.compile
 
 
+# tf_keras (Keras 2, which ``tf.keras`` is under TF_USE_LEGACY_KERAS) is looked up
+# where a process has already loaded it and never imported: AutoDist must not load
+# a second Keras into a process that does not use it.
+_TF_KERAS = "tf_keras"
+_TF_KERAS_MODELS = (("tf_keras.src.engine.training", "Model"),
+                    ("tf_keras.src.engine.training_v1", "Model"))  # the latter: graph mode
+_TF_KERAS_OPTIMIZERS = (("tf_keras.src.optimizers.optimizer", "_BaseOptimizer"),
+                        ("tf_keras.src.optimizers.legacy.optimizer_v2", "OptimizerV2"))
+_LEGACY_KERAS_ENV = "TF_USE_LEGACY_KERAS"
+
+
+def _loaded_classes(names: tuple) -> list:
+    """The classes of ``names`` ((module, class) pairs) whose modules are loaded."""
+    found = (getattr(sys.modules.get(module), name, None) for module, name in names)
+    return [cls for cls in found if isinstance(cls, type)]
+
+
+def legacy_keras_setting() -> Optional[str]:
+    """``"TF_USE_LEGACY_KERAS=<value>"`` when that setting makes ``tf.keras`` tf_keras
+    (the values TensorFlow's own test accepts), else None."""
+    value = os.environ.get(_LEGACY_KERAS_ENV, "")
+    return f"{_LEGACY_KERAS_ENV}={value}" if value in ("1", "true", "True") else None
+
+
+@contextlib.contextmanager
+def refuse_tf_keras_compile(refuse: Callable[[object], None],
+                            imported_inside: Callable[[], None]) -> Iterator[None]:
+    """Within the block, a tf_keras (Keras 2) model's ``compile`` calls
+    ``refuse(model)`` first, which is to raise.
+
+    Only a tf_keras already loaded when the block starts can be watched (it is
+    never imported here; under TF_USE_LEGACY_KERAS TensorFlow's import loads it).
+    When the block loads it, ``imported_inside()`` is called on a normal exit.
+    Keras 3's ``compile`` is untouched. The original methods are always restored
+    on exit.
+    """
+    owners = _loaded_classes(_TF_KERAS_MODELS)
+    loaded_before = _TF_KERAS in sys.modules
+    originals = [(owner, owner.__dict__.get("compile")) for owner in owners]
+
+    def refusing(original):
+        def refusing_compile(self, *args, **kwargs):
+            refuse(self)
+            return original(self, *args, **kwargs)
+        return refusing_compile
+
+    for owner, original in originals:
+        if original is not None:
+            owner.compile = refusing(original)
+    try:
+        yield
+    finally:
+        for owner, original in originals:
+            if original is not None:
+                owner.compile = original
+    if not loaded_before and _TF_KERAS in sys.modules:
+        imported_inside()
+
+
+def tf_keras_optimizers_applied(objects: list, graph: tf.Graph) -> list:
+    """The tf_keras (Keras 2) optimizers a traced step applied.
+
+    Looks among ``objects`` (what the step reaches) and their attributes (a
+    model's ``optimizer``) for tf_keras optimizers whose step count ``graph``
+    captures, which their ``apply_gradients`` increments.
+
+    Args:
+        objects: the objects the step reaches.
+        graph: the step's traced ``FuncGraph``.
+
+    Returns:
+        the optimizers, each once, in the order found ([] when tf_keras is not loaded).
+    """
+    bases = tuple(_loaded_classes(_TF_KERAS_OPTIMIZERS))
+    if not bases:
+        return []
+    captured = {id(external) for external, _ in graph.captures}
+    candidates = list(objects)
+    for obj in objects:
+        if not isinstance(obj, types.ModuleType):  # a module's names are not the step's
+            candidates += list(getattr(obj, "__dict__", {}).values())
+    found = []
+    for candidate in candidates:
+        if not isinstance(candidate, bases) or any(candidate is f for f in found):
+            continue
+        # ``_iterations``: both tf_keras optimizer kinds keep it; ``iterations``
+        # would create one on an optimizer never applied.
+        count = getattr(candidate, "_iterations", None)
+        if id(getattr(count, "handle", None)) in captured:
+            found.append(candidate)
+    return found
+
+
 def compile_state(model: keras.Model) -> tuple:
     """What a ``compile`` call makes anew: the optimizer, the loss and the metrics
     containers (identities, which change with every ``compile``)."""
@@ -188,6 +290,35 @@ def compile_state(model: keras.Model) -> tuple:
 def all_layers(model: keras.Model) -> list:
     """Every layer of ``model``, nested ones and ``model`` itself included."""
     return list(model._flatten_layers())  # pylint: disable=protected-access
+
+
+@contextlib.contextmanager
+def synchronized_moments(cross_replica_sum: Callable[[tf.Tensor], tf.Tensor]) -> Iterator[None]:
+    """Within the block, ``BatchNormalization(synchronized=True)`` computes its batch
+    statistics from sums passed through ``cross_replica_sum``.
+
+    Keras sums them through ``tf.distribute``'s replica context, which in a step
+    traced for AutoDist is the default one (a single replica). The original
+    function is always restored on exit.
+    """
+    original = tf_nn._compute_moments_sync  # pylint: disable=protected-access
+
+    def moments(x, axes, keepdims):
+        # The mean and variance from the sums of x and x**2 and the count, as Keras's.
+        total = cross_replica_sum(tf.reduce_sum(x, axis=axes, keepdims=True))
+        squares = cross_replica_sum(tf.reduce_sum(tf.square(x), axis=axes, keepdims=True))
+        count = cross_replica_sum(tf.reduce_sum(tf.ones_like(x), axis=axes, keepdims=True))
+        mean = tf.math.divide_no_nan(total, count)
+        variance = tf.maximum(tf.math.divide_no_nan(squares, count) - tf.square(mean), 0.0)
+        if not keepdims:
+            mean, variance = tf.squeeze(mean, axes), tf.squeeze(variance, axes)
+        return mean, variance
+
+    tf_nn._compute_moments_sync = moments  # pylint: disable=protected-access
+    try:
+        yield
+    finally:
+        tf_nn._compute_moments_sync = original  # pylint: disable=protected-access
 
 
 @contextlib.contextmanager

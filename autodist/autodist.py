@@ -25,7 +25,7 @@ from autodist.session import DistributedSession
 from autodist.search import trial
 from autodist.strategy.all_reduce_builders import AllReduce
 from autodist.strategy.base import Strategy, StrategyBuilder
-from autodist.strategy.compiler import CompiledStrategy, compile_strategy
+from autodist.strategy.compiler import CompiledStrategy, check_graph, compile_strategy
 
 THREADS_ENV = ("AUTODIST_INTRA_OP_THREADS", "AUTODIST_INTER_OP_THREADS")
 JOIN_TIMEOUT_S = 300.0
@@ -145,9 +145,20 @@ class AutoDist:
         one device; AutoDist warns once when it does. A large weight made in
         here gets its value when first used (``keras.step.DEFERRED_VARIABLE_BYTES``),
         so a node that trains it only in parts held elsewhere never holds it whole.
+
+        Warning:
+            AutoDist distributes Keras 3 models. A tf_keras (Keras 2) model, which
+            ``tf.keras`` builds under ``TF_USE_LEGACY_KERAS=1`` (TensorFlow
+            Recommenders, TF-Ranking, the Model Garden), is refused at its
+            ``compile`` in here with a NotImplementedError, since its ``fit`` would
+            train on one device. Its layers can still be called in a
+            ``tf.compat.v1`` graph trained by a ``tf.compat.v1.train`` optimizer
+            through ``create_distributed_session``.
         """
         with _tf_compat.capture_apply_gradients(self._optimizer_calls.append), \
                 _keras_compat.capture_compile(self._distribute_fit), \
+                _keras_compat.refuse_tf_keras_compile(self._refuse_tf_keras_model,
+                                                      self._warn_tf_keras_imported), \
                 _keras_compat.report_eager_apply(self._warn_eager_step), \
                 _keras_compat.defer_large_variables(keras_step.DEFERRED_VARIABLE_BYTES):
             yield
@@ -162,6 +173,33 @@ class AutoDist:
             "this training step runs on one device, undistributed. Decorate the step "
             "function with @ad.function (or train with model.fit) to distribute it.",
             stacklevel=4)
+
+    @staticmethod
+    def _refuse_tf_keras_model(model) -> None:
+        """Refuses a tf_keras (Keras 2) model compiled in the scope, whose ``fit`` would
+        run tf_keras's own loop on one device."""
+        setting = _keras_compat.legacy_keras_setting()
+        why = (f"tf.keras is tf_keras because {setting} is set" if setting
+               else "built from tf_keras")
+        raise NotImplementedError(
+            f"AutoDist distributes Keras 3 models, and {type(model).__name__} is a tf_keras "
+            f"(Keras 2) model ({why}): compiled inside ad.scope(), its fit would train on "
+            "one device, undistributed. Build the model with Keras 3 (import keras; "
+            "keras.layers, keras.Model, keras.optimizers) and compile it in ad.scope(); or, "
+            "for a model that needs Keras 2 (TensorFlow Recommenders, TF-Ranking), call its "
+            "layers in a tf.compat.v1 graph, minimize the loss with a tf.compat.v1.train "
+            "optimizer inside ad.scope() and train with ad.create_distributed_session(), "
+            "without compile and fit.")
+
+    @staticmethod
+    def _warn_tf_keras_imported() -> None:
+        """Says that tf_keras, first imported inside the scope, was not watched there."""
+        warnings.warn(
+            "AutoDist: tf_keras was first imported inside ad.scope(), so AutoDist could not "
+            "check the models compiled there: a tf_keras (Keras 2) model's fit trains on "
+            "one device, undistributed. Import tf_keras before entering ad.scope() to have "
+            "such a model refused by name, and build models with Keras 3 to distribute them.",
+            stacklevel=3)
 
     def function(self, fn: Optional[Callable] = None, *, copy_back: str = "every_call"
                  ) -> Union[DistributedFunction, Callable[[Callable], DistributedFunction]]:
@@ -226,6 +264,7 @@ class AutoDist:
                       ) -> DistributedSession:
         # Before anything reads the item: the fingerprint and the search count it.
         item.accumulation_steps = self._accumulation_steps
+        check_graph(item, self._resource_spec)
         self._trial.before_session(item, self._resource_spec.source, self.is_chief)
         if len(self._resource_spec.nodes) == 1:
             strategy = self._build_strategy(item)

@@ -38,7 +38,7 @@ from autodist.graph_defs import ancestors, data_inputs, op_name, tensor_name
 _ALL = None  # every data input
 _LINEAR_OPS: Dict[str, tuple] = {
     **{op: ((0,), "one") for op in (
-        "Identity", "Snapshot", "StopGradient", "PreventGradient", "EnsureShape",
+        "Identity", "IdentityN", "Snapshot", "StopGradient", "PreventGradient", "EnsureShape",
         "CheckNumerics", "Neg", "Reshape", "Transpose", "ExpandDims", "Squeeze", "Tile",
         "BroadcastTo", "Sum", "Mean", "Cumsum", "ReverseV2", "StridedSlice", "Slice", "Pad",
         "MirrorPad", "GatherV2", "GatherNd", "UnsortedSegmentSum", "SegmentSum", "SplitV",

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from typing import Iterable
 
+# The op entering a tf.compat.v1 loop (control flow v1), naming it by an attribute.
+V1_LOOP_ENTERS = ("Enter", "RefEnter")
+
 
 def op_name(name: str) -> str:
     """The op of a tensor name or NodeDef input (``"^op"``, ``"op:1"`` -> ``"op"``)."""

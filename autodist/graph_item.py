@@ -11,8 +11,9 @@ import numpy as np
 import tensorflow as tf
 from google.protobuf import message as protobuf_message
 
+from autodist.cross_replica import FIRST_ROW, is_cross_replica_sum, marked
 from autodist.gradient_seeds import gradient_seeds
-from autodist.graph_defs import data_inputs, op_name, tensor_name
+from autodist.graph_defs import ancestors, data_inputs, op_name, tensor_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,6 +273,13 @@ class GraphItem:
             ``tf.while_loop`` or ``tf.cond`` takes (TensorFlow runs it where the
             variable is stored).
         reads: trainable variable name -> its ``VariableReads``.
+        batch_totals: names of the sums over the batch a loss is normalized by
+            (``_batch_totals``), which each replica takes as the whole step's.
+        rows_multiplied: names of the forward pass's matrix products of two tensors
+            of the batch's rows (``_rows_multiplied``: in-batch negatives).
+        cross_replica_sums: names of the ops marked as sums over every replica
+            (``cross_replica``: a synchronized batch normalization's statistics),
+            in the graph's order (the forward pass's first).
         loss_scale_reads: names of the reads of a loss scale (the variable an
             optimizer call's loss is multiplied by before the gradients,
             ``loss_scale``) outside the update: shared ops, whose consumers are
@@ -335,6 +343,10 @@ class GraphItem:
         self.gradient_seeds = self._gradient_seeds()
         self.read_by_control_flow = self._read_by_control_flow()
         self._classify_ops()
+        self.batch_totals = self._batch_totals()
+        self.cross_replica_sums = tuple(
+            node.name for node in self.graph_def.node if is_cross_replica_sum(node))
+        self.rows_multiplied = self._rows_multiplied()
         self._mark_same_rows()
         self.reads = self._variable_reads()
         ranks = self._ready_ranks()
@@ -610,6 +622,71 @@ class GraphItem:
         self.replicated = replicated
         self.shared = set(nodes) - replicated - self.excluded
 
+    def _batch_totals(self) -> frozenset:
+        """The sums over a whole batch that a loss is divided by: ``Sum`` ops reducing
+        every axis of a tensor computed from the batch alone (no trainable variable),
+        whose value (through casts) is the divisor of a division.
+
+        Keras normalizes a masked loss so (the sum of the mask: a padded sequence's
+        tokens), and a loss reduced by ``mean_with_sample_weight`` (the sum of the
+        sample weights). Computed from a replica's rows, such a total is not the
+        batch's, and the replicas' losses would not add up to the single-device loss
+        (the replicator gives every replica the whole step's total).
+        """
+        nodes = self._nodes
+        divisors = set()
+        for node in self.graph_def.node:
+            if node.op in _DIVISIONS and node.name in self.replicated:
+                divisors.add(through_identities(nodes, data_inputs(node)[1],
+                                                ("Identity", "Cast")))
+        totals = set()
+        for name in divisors:
+            node = nodes.get(name)
+            if (node is None or node.op != "Sum" or name not in self.replicated
+                    or not _reduces_every_axis(self.graph, name)):
+                continue
+            if ancestors(nodes, [name], control=False).isdisjoint(self.variables):
+                totals.add(name)
+        return frozenset(totals)
+
+    def _rows_multiplied(self) -> tuple:
+        """The forward pass's products of a batch's rows with the batch's rows.
+
+        ``queries @ candidates.T`` scores every row against every row of the batch
+        (in-batch negatives, a contrastive loss): on a replica, against its own
+        rows only. A product contracting over the rows (``x.T @ dy``, a gradient)
+        adds them up, as the replicas' gradients do; a side gathered over the
+        replicas (``cross_replica.gather_batch``) holds every row.
+        """
+        consumers = {name: [] for name in self._nodes}
+        for node in self.graph_def.node:
+            for inp in data_inputs(node):
+                if op_name(inp) in consumers:
+                    consumers[op_name(inp)].append(node.name)
+
+        def downstream(sources) -> set:
+            reached, todo = set(), list(sources)
+            while todo:
+                name = todo.pop()
+                if name not in reached:
+                    reached.add(name)
+                    todo.extend(consumers[name])
+            return reached
+
+        from_rows = downstream(self.batched_inputs)
+        gathered = downstream(node.name for node in self.graph_def.node
+                              if marked(node, FIRST_ROW))
+        found = []
+        for node in self.graph_def.node:
+            if (node.op != "MatMul" or node.attr["transpose_a"].b
+                    or any(part.startswith(("gradient_tape", "gradients"))
+                           for part in node.name.split("/"))):
+                continue
+            operands = {op_name(i) for i in data_inputs(node)}
+            if operands <= from_rows and operands.isdisjoint(gathered):
+                found.append(node.name)
+        return tuple(found)
+
     def _mark_same_rows(self) -> None:
         """Sets ``same_rows`` on the sparse gradients whose indices no replica's rows change."""
         sparse = {name: ref for name, ref in self.gradients.items() if ref.sparse}
@@ -684,10 +761,11 @@ class GraphItem:
         return op_name(tensor_or_op_name) in self.replicated
 
 
-def through_identities(nodes: dict, name: str) -> str:
-    """The op behind tensor or op ``name``, past any ``Identity`` ops (within ``nodes``)."""
+def through_identities(nodes: dict, name: str, ops: tuple = ("Identity",)) -> str:
+    """The op behind tensor or op ``name``, past any ``Identity`` ops (or any of
+    ``ops``: ``Cast`` too, for a value's origin) within ``nodes``."""
     name = op_name(name)
-    while name in nodes and nodes[name].op == "Identity":
+    while name in nodes and nodes[name].op in ops:
         name = op_name(nodes[name].input[0])
     return name
 
@@ -695,6 +773,16 @@ def through_identities(nodes: dict, name: str) -> str:
 def _batch_dims(node) -> int:
     """A gather's ``batch_dims`` (read without adding the attribute to the NodeDef)."""
     return node.attr["batch_dims"].i if "batch_dims" in node.attr else 0
+
+
+def _reduces_every_axis(graph: tf.Graph, name: str) -> bool:
+    """Whether the reduction op ``name`` reduces its input to one value."""
+    op = graph.get_operation_by_name(name)
+    rank = op.inputs[0].shape.rank
+    axes = tf.get_static_value(op.inputs[1])
+    if not rank or axes is None:
+        return False
+    return {int(a) % rank for a in np.reshape(axes, -1)} == set(range(rank))
 
 
 def _gathers_rows(nodes: dict, node, params: str) -> bool:
@@ -714,6 +802,8 @@ def _is_batched(node) -> bool:
     return not shape.unknown_rank and len(shape.dim) >= 1 and shape.dim[0].size == -1
 
 
+# Divisions of a loss by a normalizer (the divisor is the second input).
+_DIVISIONS = ("DivNoNan", "RealDiv", "Div")
 # Matrix products a partitioned factor can be cut out of (``PartProduct``).
 _PRODUCTS = ("MatMul", "BatchMatMulV2")
 # A traced tf.while_loop or tf.cond: ops running functions of the graph's library.

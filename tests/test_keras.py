@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import autodist
 import keras_models as km
 from autodist import AutoDist
 from autodist._tf_compat import EagerVariables, eager_snapshot
@@ -479,6 +480,166 @@ def test_each_replica_computes_its_share_of_the_batch(request, way, builder, spe
     np.testing.assert_allclose(np.concatenate(outputs), x[:8] @ kernel, atol=ATOL, rtol=RTOL)
 
 
+# ----------------------------------------------------------------------------- masked losses
+
+def _padded_tokens(rows: int = 32, length: int = 6, vocabulary: int = 20):
+    """Token ids and targets where the first half of every 8-row batch is padded far
+    more than the second, so the two replicas' halves hold different token counts."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(1, vocabulary, (rows, length)).astype("int32")
+    for row in range(rows):
+        x[row, (1 if row % 8 < 4 else 5):] = 0
+    return x, rng.integers(0, vocabulary, (rows, length))
+
+
+def _token_tagger() -> keras.Model:
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6,), dtype="int32")
+    tokens = keras.layers.Embedding(20, 8, mask_zero=True, name="tokens")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(20, name="out")(tokens))
+    model.compile(optimizer=keras.optimizers.Adam(0.01), metrics=["accuracy"],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("builder", SUBSET)
+def test_a_masked_loss_is_divided_by_the_whole_batch_s_unmasked_count(spec_path, builder):
+    x, y = _padded_tokens()
+    single = _token_tagger()
+    want = single.fit(x, y, **fit_kwargs())
+    ad = AutoDist(spec_path, BUILDERS[builder]())
+    with ad.scope():
+        model = _token_tagger()
+    got = model.fit(x, y, **fit_kwargs())
+    assert_same(snapshot(model, model.optimizer, got.history),
+                snapshot(single, single.optimizer, want.history), builder)
+
+    # Each replica counts its own rows' tokens on its device; both divide by the sum.
+    session = model._autodist_fit.step.session
+    item, graph = session.distributed.item, session.distributed.graph
+    (total,) = item.batch_totals
+    counts = [graph.get_tensor_by_name(f"autodist_batch_totals/AutoDist-Replica-{r}/{total}:0")
+              for r in range(2)]
+    assert [c.device[-5:] for c in counts] == ["CPU:0", "CPU:1"]
+    (x_name,) = [n for n in item.batched_inputs
+                 if graph.get_tensor_by_name(f"{n}:0").dtype == tf.int32]
+    assert session.run(counts, feed_dict={f"{x_name}:0": x[:8]}) == [4.0, 20.0]
+
+
+def test_a_loss_divided_by_the_sum_of_its_sample_weights_matches_single_device(spec_path):
+    x, y = km.data("mlp")
+    weights = np.where(np.arange(len(x)) % 8 < 4, 0.1, 2.0).astype("float32")
+
+    def compiled():
+        model = _functional(keras.Model)
+        model.compile(optimizer=keras.optimizers.Adam(0.01), metrics=["mae"],
+                      loss=keras.losses.MeanSquaredError(reduction="mean_with_sample_weight"))
+        return model
+
+    single = compiled()
+    want = single.fit(x, y, sample_weight=weights, **fit_kwargs())
+    ad = AutoDist(spec_path, PartitionedPS())
+    with ad.scope():
+        model = compiled()
+    got = model.fit(x, y, sample_weight=weights, **fit_kwargs())
+    assert_same(snapshot(model, model.optimizer, got.history),
+                snapshot(single, single.optimizer, want.history))
+    assert len(model._autodist_fit.step.session.distributed.item.batch_totals) == 1
+
+
+def test_a_masked_loss_on_a_cluster_is_refused_by_name(tmp_path):
+    spec = tmp_path / "two_nodes.yml"
+    spec.write_text("nodes:\n  - address: localhost\n    cpus: [0]\n    chief: true\n"
+                    "  - address: 10.0.0.2\n    cpus: [0]\n")
+    x, y = _padded_tokens()
+    with AutoDist(str(spec), AllReduce()).scope():
+        model = _token_tagger()
+    with pytest.raises(NotImplementedError, match=r"divides by '.*Sum' \(a masked loss's count "
+                                                  r"of unmasked entries.*2 nodes"):
+        model.fit(x, y, **fit_kwargs())
+
+
+# ----------------------------------------------------------------------------- in-batch negatives
+
+class TwoTowerRetrieval(keras.Model):
+    """Queries scored against every candidate of the batch, softmax over the batch."""
+
+    def __init__(self, gather: bool):
+        super().__init__(name="two_tower")
+        self.gather = gather
+        self.users = keras.layers.Embedding(30, 8, name="users")
+        self.items = keras.layers.Embedding(40, 8, name="items")
+        self.query = keras.layers.Dense(8, name="query")
+
+    def call(self, inputs):
+        return self.query(self.users(inputs["user"])), self.items(inputs["item"])
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        queries, candidates = y_pred
+        first = 0
+        if self.gather:
+            candidates, first = autodist.gather_batch(candidates)
+        logits = keras.ops.matmul(queries, keras.ops.transpose(candidates))
+        labels = first + keras.ops.arange(keras.ops.shape(queries)[0])
+        return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(
+            labels, logits, from_logits=True))
+
+
+def _retrieval(gather: bool) -> keras.Model:
+    keras.utils.set_random_seed(1)
+    model = TwoTowerRetrieval(gather)
+    model.compile(optimizer=keras.optimizers.Adam(0.05))
+    return model
+
+
+def _pairs() -> dict:
+    rng = np.random.default_rng(0)
+    return {"user": rng.integers(0, 30, 48), "item": rng.integers(0, 40, 48)}
+
+
+@functools.lru_cache(maxsize=None)
+def _retrieval_single(batch_size: int) -> Trained:
+    model = _retrieval(gather=True)
+    history = model.fit(_pairs(), **fit_kwargs(batch_size=batch_size))
+    return snapshot(model, model.optimizer, history.history)
+
+
+@pytest.mark.parametrize("builder, spec_fixture, batch_size", [
+    ("AllReduce", "spec_path", 16), ("PartitionedPS", "spec_path", 16),
+    ("Parallax", "spec_path", 16), ("AllReduce", "spec_path_4cpu", 10)])
+def test_in_batch_negatives_gathered_over_the_replicas_match_single_device(
+        request, builder, spec_fixture, batch_size):
+    ad = AutoDist(request.getfixturevalue(spec_fixture), BUILDERS[builder]())
+    with ad.scope():
+        model = _retrieval(gather=True)
+    history = model.fit(_pairs(), **fit_kwargs(batch_size=batch_size))
+    # Batches of 10 split 2/3/2/3 rows over four replicas.
+    assert_same(snapshot(model, model.optimizer, history.history),
+                _retrieval_single(batch_size), builder)
+
+    # Every replica scores its queries against the whole batch's candidates.
+    session = model._autodist_fit.step.session
+    graph, item = session.distributed.graph, session.distributed.item
+    replicas = len(ad.strategy.replicas)
+    logits = [ops[0].outputs[0] for _, ops in sorted(replica_ops(graph, r"^step/MatMul$").items())]
+    assert [t.device[-5:] for t in logits] == [f"CPU:{r}" for r in range(replicas)]
+    feeds = {f"{name}:0": np.arange(batch_size) for name in item.batched_inputs}
+    shapes = [v.shape for v in session.run(logits, feed_dict=feeds)]
+    rows = [batch_size * (r + 1) // replicas - batch_size * r // replicas for r in range(replicas)]
+    assert shapes == [(n, batch_size) for n in rows]
+
+
+def test_in_batch_negatives_left_per_replica_are_named_once(spec_path):
+    ad = AutoDist(spec_path, AllReduce())
+    with ad.scope():
+        model = _retrieval(gather=False)
+    with pytest.warns(UserWarning, match=r"multiplies two tensors of the batch's rows "
+                                         r"\('step/MatMul'.*autodist.gather_batch"):
+        history = model.fit(_pairs(), **fit_kwargs(batch_size=16))
+    # As the warning says: each replica's softmax runs over its 8 rows, not the 16.
+    assert history.history["loss"][0] < _retrieval_single(16).history["loss"][0] - 0.3
+
+
 # ----------------------------------------------------------------------------- 5. metrics
 
 def metric_step(spec: str, make_metric, calls: int = 3) -> tuple:
@@ -833,15 +994,58 @@ def test_compile_settings_are_refused(spec_path, setting, kwargs):
             km.compiled("mlp", OPTIMIZERS["adam"](), **kwargs)
 
 
-def test_synchronized_batch_norm_is_refused(spec_path):
-    ad = AutoDist(resource_spec_file=spec_path, strategy_builder=AllReduce())
+def _synchronized_batch_norm() -> keras.Model:
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, use_bias=False, name="hidden")(inputs)
+    hidden = keras.layers.BatchNormalization(synchronized=True, name="synced_bn")(hidden)
+    outputs = keras.layers.Dense(3, name="out")(keras.layers.Activation("relu")(hidden))
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+    return model
+
+
+def _halves_apart():
+    """Rows whose two halves of every batch have different means: per-replica
+    statistics would differ from the batch's."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 6)).astype("float32")
+    x[np.arange(32) % 8 < 4] += 3.0
+    return x, rng.normal(size=(32, 3)).astype("float32")
+
+
+@pytest.mark.parametrize("builder", ("AllReduce", "PartitionedPS"))
+def test_synchronized_batch_norm_normalizes_with_the_whole_batch_s_statistics(spec_path,
+                                                                              builder):
+    x, y = _halves_apart()
+    single = _synchronized_batch_norm()
+    want = single.fit(x, y, **fit_kwargs())
+    ad = AutoDist(spec_path, BUILDERS[builder]())
     with ad.scope():
-        model = keras.Sequential([
-            keras.Input((4,)),
-            keras.layers.BatchNormalization(synchronized=True, name="synced_bn"),
-            keras.layers.Dense(1)])
-        with pytest.raises(NotImplementedError, match=r"synced_bn.*synchronized=True"):
-            model.compile(optimizer="adam", loss="mse")
+        model = _synchronized_batch_norm()
+    got = model.fit(x, y, **fit_kwargs())
+    # The moving statistics are among the weights.
+    assert_same(snapshot(model, model.optimizer, got.history),
+                snapshot(single, single.optimizer, want.history), builder)
+    # Each replica sums its statistics (and their gradients) with the other's.
+    graph = model._autodist_fit.step.session.distributed.graph
+    sums = {r: [op for op in ops if op.type == "CollectiveReduceV2"]
+            for r, ops in replica_ops(graph, "synced_bn").items()}
+    assert sorted(sums) == [0, 1] and len(sums[0]) == len(sums[1]) >= 3
+    for replica, ops in sums.items():
+        assert all(op.device.endswith(f"CPU:{replica}") for op in ops)
+
+
+def test_synchronized_batch_norm_on_a_cluster_is_refused_by_name(tmp_path):
+    spec = tmp_path / "two_nodes.yml"
+    spec.write_text("nodes:\n  - address: localhost\n    cpus: [0]\n    chief: true\n"
+                    "  - address: 10.0.0.2\n    cpus: [0]\n")
+    x, y = _halves_apart()
+    with AutoDist(str(spec), AllReduce()).scope():
+        model = _synchronized_batch_norm()
+    with pytest.raises(NotImplementedError, match=r"synced_bn.*autodist_cross_replica_sum.*"
+                                                  r"BatchNormalization\(synchronized=True\)"):
+        model.fit(x, y, **fit_kwargs())
 
 
 def test_two_optimizers_in_one_step_are_refused(spec_path):

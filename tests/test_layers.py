@@ -13,10 +13,10 @@ import autodist
 
 LAYERS = (
     ("representation", ("autodist.proto", "autodist.partition", "autodist.graph_item",
-                        "autodist.gradient_seeds", "autodist.graph_defs",
+                        "autodist.gradient_seeds", "autodist.graph_defs", "autodist.cross_replica",
                         "autodist.resource_spec", "autodist.network", "autodist.kernel_context",
                         "autodist.strategy.base", "autodist.usage", "autodist._tf_compat",
-                        "autodist._keras_compat", "autodist._startup")),
+                        "autodist._keras_compat", "autodist._startup", "autodist.const")),
     ("builders", ("autodist.strategy",)),
     ("synchronizer kinds", ("autodist.synchronizers",)),
     ("compile", ("autodist.strategy.compiler",)),

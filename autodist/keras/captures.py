@@ -42,16 +42,27 @@ class TableContents:
         return tf.lookup.StaticHashTable(initializer, default).resource_handle
 
 
-def reachable_owners(fn: Callable) -> list:
-    """The Keras models, layers and metrics that the step ``fn`` can reach."""
+def reachable_owners(fn: Callable,
+                     kinds: tuple = (keras.layers.Layer, keras.metrics.Metric)) -> list:
+    """The Keras models, layers and metrics that the step ``fn`` can reach.
+
+    Args:
+        fn: the step.
+        kinds: the types kept (``(object,)``: everything reached, e.g. to look
+            for what Keras 3 types cannot tell, a tf_keras optimizer).
+    """
     python_function = getattr(fn, "python_function", fn)
     function = getattr(python_function, "__func__", python_function)
-    owners = [getattr(python_function, "__self__", None)]
+    instance = getattr(python_function, "__self__", None)
+    owners = [instance]
+    if instance is not None and not isinstance(instance, keras.layers.Layer):
+        # A method of a trainer class (``@ad.function`` on a method): what it holds.
+        owners += list(getattr(instance, "__dict__", {}).values())
     owners += [cell.cell_contents for cell in getattr(function, "__closure__", None) or ()
                if _has_contents(cell)]
     code, names = getattr(function, "__code__", None), getattr(function, "__globals__", {})
     owners += [names[name] for name in (code.co_names if code else ()) if name in names]
-    return [o for o in owners if isinstance(o, (keras.layers.Layer, keras.metrics.Metric))]
+    return [o for o in owners if isinstance(o, kinds)]
 
 
 def metric_paths(owners: list) -> dict:

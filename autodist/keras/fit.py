@@ -29,8 +29,8 @@ def check_distributable(model: keras.Model) -> None:
     """Refuses the compile settings AutoDist cannot distribute, naming them.
 
     Raises:
-        NotImplementedError: for ``steps_per_execution > 1``, ``jit_compile=True``,
-            ``run_eagerly=True`` or a synchronized batch normalization.
+        NotImplementedError: for ``steps_per_execution > 1``, ``jit_compile=True``
+            or ``run_eagerly=True``.
     """
     name = type(model).__name__
     if model.steps_per_execution != 1:
@@ -45,12 +45,6 @@ def check_distributable(model: keras.Model) -> None:
         raise NotImplementedError(
             f"AutoDist traces the training step: {name} is compiled with "
             "run_eagerly=True; use run_eagerly=False.")
-    for layer in _keras_compat.all_layers(model):
-        if isinstance(layer, keras.layers.BatchNormalization) and layer.synchronized:
-            raise NotImplementedError(
-                f"AutoDist does not synchronize batch statistics: layer '{layer.name}' "
-                "is a BatchNormalization(synchronized=True); each replica normalizes "
-                "with its own batch's statistics, so use synchronized=False.")
 
 
 # Callbacks that decide from the logs, which on a cluster are each node's own rows'.

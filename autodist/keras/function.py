@@ -264,6 +264,8 @@ class DistributedFunction:
                              f"{copy_back!r}.")
         functools.update_wrapper(self, fn)
         self._signature = inspect.signature(getattr(fn, "python_function", fn))
+        self._made_with = (open_session, fn, replicas, copy_back)  # to bind it to an instance
+        self._attribute = None  # the name it has in a class body (``__set_name__``)
         self._steps = StepCache(fn, replicas,
                                 lambda lifted: DistributedStep(lifted, open_session(lifted)))
         self._step: Optional[DistributedStep] = None  # the step that ran last
@@ -275,7 +277,42 @@ class DistributedFunction:
         """The distributed step that ran last, once the function has been called."""
         return self._step
 
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._attribute = name
+
+    def __get__(self, instance, owner: Optional[type] = None) -> "DistributedFunction":
+        """The step as a method of ``instance``, as ``tf.function`` binds one: a
+        distributed function of its own per instance, made at the first access and
+        kept in the instance's ``__dict__`` (as ``functools.cached_property`` keeps
+        its value), so that it lives as long as the instance.
+
+        Raises:
+            TypeError: when ``instance`` has no ``__dict__`` to keep it in.
+        """
+        if instance is None:
+            return self
+        key = self._attribute or f"_autodist_bound_{id(self)}"
+        cache = getattr(instance, "__dict__", None)
+        if cache is None:
+            raise TypeError(
+                f"ad.function: {type(instance).__name__}.{self._name} is a method of a class "
+                f"whose instances have no __dict__ (it defines __slots__), where AutoDist "
+                f"keeps each instance's distributed step. Add '__dict__' to "
+                f"{type(instance).__name__}.__slots__, or decorate a function instead.")
+        bound = cache.get(key)
+        if not isinstance(bound, DistributedFunction):
+            open_session, fn, replicas, copy_back = self._made_with
+            bound = DistributedFunction(open_session, fn.__get__(instance, owner), replicas,
+                                        copy_back)
+            cache[key] = bound  # not setattr: a Keras object would track it
+        return bound
+
+    @property
+    def _name(self) -> str:
+        return getattr(self, "__name__", "the step")
+
     def __call__(self, *args, **kwargs):
+        _check_eager_call(self._name, args, kwargs)
         if kwargs:
             args = self._positional(args, kwargs)
         step = self._steps.find(args)
@@ -326,6 +363,42 @@ class DistributedFunction:
         rest = [bound.arguments[p.name] for p in parameters
                 if p.kind == p.VAR_POSITIONAL and p.name in bound.arguments]
         return tuple(values) + (tuple(rest[0]) if rest else ())
+
+
+def _check_eager_call(name: str, args: tuple, kwargs: dict) -> None:
+    """Refuses a call of the step ``name`` that AutoDist cannot run eagerly from Python.
+
+    Raises:
+        RuntimeError: when TensorFlow is building a graph (the original AutoDist's
+            graph-mode ``autodist.function``), or an argument is a graph's tensor or op.
+        ValueError: when an argument is a ``tf.data`` dataset or iterator, whose
+            batches have no size until drawn.
+    """
+    graph_mode_fix = (
+        "ad.function runs a TF2 step eagerly, called from Python with eager tensors or "
+        "numpy arrays. For a tf.compat.v1 graph, build the model and its train op inside "
+        "ad.scope() without ad.function and run them in ad.create_distributed_session() "
+        "(sess.run(fetches, feed_dict)); for TF2, call the step outside any "
+        "tf.Graph().as_default() block, with the model built in ad.scope().")
+    if not tf.executing_eagerly():
+        raise RuntimeError(
+            f"ad.function: {name} was called while TensorFlow builds a graph (inside "
+            f"tf.Graph().as_default() or a tf.function), as the original AutoDist's "
+            f"graph-mode autodist.function was. {graph_mode_fix}")
+    for leaf in tf.nest.flatten((args, kwargs)):
+        if isinstance(leaf, tf.Operation) or (isinstance(leaf, tf.Tensor)
+                                              and tf.is_symbolic_tensor(leaf)):
+            kind = "op" if isinstance(leaf, tf.Operation) else "tensor (e.g. a placeholder)"
+            raise RuntimeError(
+                f"ad.function: {name} was passed {leaf.name}, a graph's {kind}, not a "
+                f"value. {graph_mode_fix}")
+        if isinstance(leaf, (tf.data.Dataset, tf.data.Iterator)):
+            raise ValueError(
+                f"ad.function: {name} was passed a tf.data dataset or iterator "
+                f"({type(leaf).__name__}), whose batches have no size until drawn, but "
+                f"AutoDist splits each batch it is passed "
+                f"across the replicas. Pass the batches one by one: "
+                f"for x, y in dataset: {name}(x, y).")
 
 
 def _as_tensor_in_place(value):

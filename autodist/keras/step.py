@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from autodist import _keras_compat, _tf_compat
 from autodist._tf_compat import eager_snapshot
+from autodist.cross_replica import cross_replica_sum
 from autodist.graph_item import RESOURCE_WRITES, GraphItem
 from autodist.keras import captures, loss_scale
 from autodist.keras.update import GraphInitialValue, KerasOptimizerCall
@@ -165,9 +166,18 @@ class StepCache:
                 if not is_static(a) and tf.convert_to_tensor(a).shape.rank}
         if not rows:
             raise free_error
+        label = getattr(self._fn, "__name__", "the step")
+        if None in rows:
+            raise ValueError(
+                f"AutoDist could not trace {label} with the batch dimension left free "
+                f"({type(free_error).__name__}: {_last_line(free_error)}), and cannot trace "
+                f"it with each replica's rows either: the batch size of its arguments is "
+                f"unknown (a tensor of shape [None, ...], e.g. from a tf.data pipeline or a "
+                f"graph). Pass eager tensors or numpy arrays (iterate the dataset in Python: "
+                f"for x, y in dataset: {label}(x, y)), or compute with tf.shape(x)[0] "
+                f"instead of x.shape[0].") from free_error
         uneven = sorted(r for r in rows if r % self._replicas)
         if uneven:
-            label = getattr(self._fn, "__name__", "the step")
             raise ValueError(
                 f"AutoDist could not trace {label} with the batch dimension left free "
                 f"({type(free_error).__name__}: {_last_line(free_error)}), so it traces it "
@@ -222,6 +232,7 @@ def trace_step(fn: Callable, args: tuple, replicas: Optional[int] = None,
     specs = tf.nest.map_structure(lambda a: argument_spec(a, replicas), args)
     calls = []
     with _keras_compat.capture_optimizer_apply(calls.append, loss_scale.apply_without_cond), \
+            _keras_compat.synchronized_moments(cross_replica_sum), \
             _keras_compat.defer_large_variables(DEFERRED_VARIABLE_BYTES), _tf_compat.lifting():
         concrete = tf.function(python_function, autograph=autograph).get_concrete_function(
             *specs)
@@ -241,6 +252,30 @@ def lift_step(traced_step: TracedStep) -> LiftedStep:
         return _lift(traced_step)
 
 
+def _refuse_tf_keras_optimizers(traced_step: TracedStep) -> None:
+    """Names the tf_keras (Keras 2) optimizers a step without a Keras 3 update applied.
+
+    Raises:
+        NotImplementedError: when the step applied one.
+    """
+    applied = _keras_compat.tf_keras_optimizers_applied(
+        captures.reachable_owners(traced_step.function, kinds=(object,)),
+        traced_step.concrete.graph)
+    if not applied:
+        return
+    names = ", ".join(type(o).__name__ for o in applied)
+    kind = "optimizers" if len(applied) > 1 else "optimizer"
+    setting = _keras_compat.legacy_keras_setting()
+    why = f" (tf.keras is tf_keras because {setting} is set)" if setting else ""
+    raise NotImplementedError(
+        f"AutoDist distributes Keras 3 optimizers (and tf.compat.v1.train optimizers in a "
+        f"tf.compat.v1 graph), and {traced_step.label} applies the tf_keras (Keras 2) "
+        f"{kind} {names}{why}. Create the model and the optimizer with Keras 3 (import keras; "
+        "keras.optimizers) inside ad.scope(); or, for a model that needs Keras 2, call its "
+        "layers in a tf.compat.v1 graph, minimize the loss with a tf.compat.v1.train "
+        "optimizer inside ad.scope() and train with ad.create_distributed_session().")
+
+
 def _lift(traced_step: TracedStep) -> LiftedStep:
     label, concrete, specs, calls = (traced_step.label, traced_step.concrete,
                                      traced_step.specs, traced_step.calls)
@@ -252,9 +287,11 @@ def _lift(traced_step: TracedStep) -> LiftedStep:
             f"loop: {label} applies {optimizer}'s update there. Apply it unconditionally "
             "(a skipped step can apply zero gradients), outside the tf.cond.")
     if not calls:
+        _refuse_tf_keras_optimizers(traced_step)
         raise ValueError(
             f"AutoDist found no optimizer update in {label}: apply the gradients with a "
-            "Keras optimizer (optimizer.apply_gradients or optimizer.apply) inside it.")
+            "Keras 3 optimizer (keras.optimizers; optimizer.apply_gradients or "
+            "optimizer.apply) inside it.")
     if len(calls) > 1:
         raise NotImplementedError(
             f"AutoDist supports one optimizer update per step; {label} applies "

@@ -17,6 +17,8 @@ from typing import Optional
 import tensorflow as tf
 
 from autodist import _tf_compat
+from autodist.cross_replica import BATCH_ROWS, FIRST_ROW, is_cross_replica_sum, marked
+from autodist.graph_defs import V1_LOOP_ENTERS, ancestors, data_inputs
 from autodist.graph_item import (FUNCTIONAL_CONTROL_FLOW, KEYED_RANDOM_OPS, RESOURCE_WRITES,
                                  GraphItem, VariableReads, op_name, tensor_name,
                                  through_identities)
@@ -158,28 +160,21 @@ def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
     loop_taken = _take_loop_copies(item, graph_def, external, ctx)
     _tune_cpu_loops(item, graph_def, ctx)
     salt = _salt_random_keys(graph_def)
+    _sum_over_replicas(graph_def, ctx)
+    replica_input = functools.partial(_replica_input, item, ctx, variable_handles, contributions)
+    totals = _whole_step_totals(item, ctx, replica_input)
+    positions = _row_positions(item, ctx)
+    if ctx.num_replicas > 1:
+        _refuse_v1_loops(graph_def, ctx.num_replicas)
     for replica in range(ctx.num_replicas):
         scope = replica_scope(replica)
         device = ctx.replica_tf_device(replica)
         input_map = {}
         with tf.device(device):
             for name in external:
-                source = op_name(name)
-                if source in item.variables:
-                    input_map[name] = variable_handles[source][replica]
-                elif source in item.batched_inputs:
-                    input_map[name] = _batch_slice(graph.get_tensor_by_name(name),
-                                                   replica, ctx.num_replicas)
-                elif source in item.scaled_by_share and contributions:
-                    value = graph.get_tensor_by_name(name)
-                    with tf.name_scope(f"autodist_contribution_shares/replica_{replica}"):
-                        input_map[name] = value * tf.cast(contributions[replica], value.dtype)
-                elif source in item.shared:
-                    input_map[name] = graph.get_tensor_by_name(name)
-                else:
-                    raise NotImplementedError(
-                        f"The model reads '{name}', produced by the optimizer's update; "
-                        "AutoDist cannot replicate that graph.")
+                input_map[name] = replica_input(name, replica)
+            input_map.update(totals[replica])
+            input_map.update(positions[replica])
             for name in loop_taken:
                 handle = graph.get_tensor_by_name(f"{name}:0")
                 if not same_device(handle.device, device):
@@ -230,6 +225,170 @@ def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
             writes.append(tf.raw_ops.AssignVariableOp(resource=handle, value=value,
                                                       name=f"{name}/merged"))
     return Replicas(writes, row_reads)
+
+
+# The group of every replica's device, apart from the synchronizers' groups, and the
+# first of its instance keys.
+_REPLICA_GROUP_KEY = 2
+_REPLICA_INSTANCE_KEYS = 1 << 20
+
+
+def _sum_over_replicas(graph_def, ctx: KernelContext) -> None:
+    """Turns the marked sums over the replicas (``cross_replica``) into collective sums.
+
+    Every replica's copy holds the same marked ops, so that the n-th of them (by
+    name) sums the same tensor on every replica, under the same instance key:
+    one per size of the tensor (n + marks * size), since a collective's shape is
+    fixed per key and a gathered batch's rows change from batch to batch.
+    """
+    sums = sorted((node for node in graph_def.node if is_cross_replica_sum(node)),
+                  key=lambda node: node.name)
+    if not sums or ctx.total_replicas == 1:
+        return  # a mark is an identity
+
+    def new_node(name: str, op: str, inputs: tuple = ()):
+        node = graph_def.node.add()
+        node.name, node.op = f"autodist_cross_replica/{name}", op
+        node.input.extend(inputs)
+        node.attr["T" if inputs else "dtype"].type = tf.int32.as_datatype_enum
+        return node.name
+
+    def constant(name: str, value: int) -> str:
+        node_name = new_node(name, "Const")
+        graph_def.node[-1].attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value, tf.int32))
+        return node_name
+
+    group_size = constant("group_size", ctx.total_replicas)
+    group_key = constant("group_key", _REPLICA_GROUP_KEY)
+    marks = constant("marks", len(sums))
+    for index, node in enumerate(sums):
+        value, size = data_inputs(node)
+        first = constant(f"first_key_{index}", _REPLICA_INSTANCE_KEYS + index)
+        instance_key = new_node(f"instance_key_{index}", "AddV2", (
+            first, new_node(f"key_stride_{index}", "Mul", (size, marks))))
+        controls = [i for i in node.input if i.startswith("^")]
+        dtype = node.attr["T"].list.type[0]
+        node.op = "CollectiveReduceV2"
+        node.attr.clear()
+        node.attr["T"].type = dtype
+        node.attr["merge_op"].s = b"Add"
+        node.attr["final_op"].s = b"Id"
+        del node.input[:]
+        node.input.extend([value, group_size, group_key, instance_key] + controls)
+
+
+def _row_positions(item: GraphItem, ctx: KernelContext) -> list:
+    """Per replica, what it reads for the marked row counts and first rows of a
+    gathered batch (``cross_replica.gather_batch``): the batch's rows, and the
+    index of the replica's first row (as ``_batch_slice`` cuts the batch).
+
+    Returns:
+        per local replica, {a marked tensor's name: its value}.
+
+    Raises:
+        NotImplementedError: for a step that gathers rows but is fed no batch.
+    """
+    counts = [node.name for node in item.graph_def.node if marked(node, BATCH_ROWS)]
+    firsts = [node.name for node in item.graph_def.node if marked(node, FIRST_ROW)]
+    if not counts and not firsts:
+        return [{} for _ in range(ctx.num_replicas)]
+    if not item.batched_inputs:
+        raise NotImplementedError(
+            f"The step gathers a batch's rows over the replicas ('{(counts + firsts)[0]}', "
+            "autodist.gather_batch) but is fed no batch AutoDist splits; feed the batch "
+            "as the step's arguments.")
+    graph = tf.compat.v1.get_default_graph()
+    batch = graph.get_tensor_by_name(sorted(item.batched_inputs)[0] + ":0")
+    n = ctx.num_replicas
+    with tf.device(ctx.shared_device), tf.name_scope("autodist_row_positions"):
+        size = tf.shape(batch)[0]
+        return [{**{f"{name}:0": size for name in counts},
+                 **{f"{name}:0": size * r // n for name in firsts}} for r in range(n)]
+
+
+def _replica_input(item: GraphItem, ctx: KernelContext, variable_handles: dict,
+                   contributions: list, name: str, replica: int) -> tf.Tensor:
+    """What replica ``replica``'s copy reads for the tensor ``name`` from outside it."""
+    graph = tf.compat.v1.get_default_graph()
+    source = op_name(name)
+    if source in item.variables:
+        return variable_handles[source][replica]
+    if source in item.batched_inputs:
+        return _batch_slice(graph.get_tensor_by_name(name), replica, ctx.num_replicas)
+    if source in item.scaled_by_share and contributions:
+        value = graph.get_tensor_by_name(name)
+        with tf.name_scope(f"autodist_contribution_shares/replica_{replica}"):
+            return value * tf.cast(contributions[replica], value.dtype)
+    if source in item.shared:
+        return graph.get_tensor_by_name(name)
+    raise NotImplementedError(
+        f"The model reads '{name}', produced by the optimizer's update; "
+        "AutoDist cannot replicate that graph.")
+
+
+def _whole_step_totals(item: GraphItem, ctx: KernelContext, replica_input) -> list:
+    """Per replica, what it reads for each of the step's batch totals (``GraphItem.batch_totals``).
+
+    A replica divides the loss of its rows by the total over the whole step's rows
+    times its share of them: weighted by that share (``contribution_shares``), the
+    replicas' losses and gradients then add up to the single-device ones, whose
+    total counts every row. Each replica's own total is computed once more, from
+    its rows, outside its copy of the model (which needs the others' totals).
+
+    Args:
+        replica_input: ``f(tensor name, replica)``, what a replica reads for a tensor
+            from outside its copy (``_replica_input``).
+
+    Returns:
+        per local replica, {a total's tensor name in the graph to import: its value}.
+    """
+    if not item.batch_totals or ctx.total_replicas == 1:
+        return [{} for _ in range(ctx.num_replicas)]
+    nodes = {node.name: node for node in item.graph_def.node}
+    external = {}
+    graph_def = subgraph_def(item, ancestors(nodes, item.batch_totals, control=False)
+                             & item.replicated, external, [], with_library=False)
+    graph = tf.compat.v1.get_default_graph()
+    own = []
+    for replica in range(ctx.num_replicas):
+        device = ctx.replica_tf_device(replica)
+        with tf.device(device):
+            input_map = {name: replica_input(name, replica) for name in external}
+        for node in graph_def.node:
+            node.device = device
+        scope = f"autodist_batch_totals/{replica_scope(replica)}"
+        _tf_compat.import_graph_def(graph_def, input_map, scope)
+        own.append([graph.get_tensor_by_name(f"{scope}/{name}:0")
+                    for name in sorted(item.batch_totals)])
+    shares = contribution_shares(item, ctx)
+    with tf.device(ctx.shared_device), tf.name_scope("autodist_batch_totals"):
+        wholes = [tf.add_n(list(values)) for values in zip(*own)]
+        return [{f"{name}:0": whole * tf.cast(share, whole.dtype)
+                 for name, whole in zip(sorted(item.batch_totals), wholes)}
+                for share in shares]
+
+
+def _refuse_v1_loops(graph_def, num_replicas: int) -> None:
+    """Refuses to copy a ``tf.compat.v1`` loop (control flow v1) onto several replicas.
+
+    TensorFlow knows such a loop by the frame name of its ``Enter`` ops, so the
+    replicas' copies would run as one loop with several loop conditions, which
+    its executor rejects at the first run ("Invalid loop structure").
+
+    Raises:
+        NotImplementedError: naming the first ``Enter`` op and its loop.
+    """
+    for node in graph_def.node:
+        if node.op in V1_LOOP_ENTERS:
+            frame = node.attr["frame_name"].s.decode()
+            raise NotImplementedError(
+                f"AutoDist cannot copy the tf.compat.v1 loop {frame!r} onto {num_replicas} "
+                f"replicas: it is built with control flow v1 ({node.op} op {node.name!r}, "
+                f"as tf.compat.v1.disable_control_flow_v2() makes tf.compat.v1.while_loop "
+                f"and dynamic_rnn build it), whose copies TensorFlow would run as one loop. "
+                f"Build the graph with control flow v2, TensorFlow's default: call "
+                f"tf.compat.v1.enable_control_flow_v2() before building it, or drop the "
+                f"disable_control_flow_v2() (or tf.compat.v1.disable_v2_behavior()) call.")
 
 
 def _take_loop_copies(item: GraphItem, graph_def, external: dict, ctx: KernelContext) -> list:

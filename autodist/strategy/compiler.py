@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Dict, Optional, Type
 
 from google.protobuf.message import Message
@@ -128,6 +129,46 @@ def compile_strategy(strategy: Strategy, graph_item: GraphItem,
     result = CompiledStrategy(strategy=strategy, variables=compiled)
     check_node_memory(result, resource_spec)
     return result
+
+
+def check_graph(graph_item: GraphItem, resource_spec: ResourceSpec) -> None:
+    """Refuses what no strategy can distribute on ``resource_spec``: on a cluster, a
+    loss divided by a sum over the batch (a masked loss) or a sum over the replicas;
+    and warns of a product of the batch's rows with its rows (in-batch negatives).
+
+    The replicas of one node take the whole node's total (``replicator``); the
+    nodes would each divide by their own rows' total, and train apart from a
+    single device.
+
+    Raises:
+        NotImplementedError: naming the sum.
+    """
+    nodes = len(resource_spec.nodes)
+    if graph_item.rows_multiplied and len(resource_spec.replica_devices) > 1:
+        warnings.warn(
+            f"AutoDist: the step multiplies two tensors of the batch's rows "
+            f"('{graph_item.rows_multiplied[0]}', a [batch, batch] product, as in-batch "
+            "negatives and contrastive losses compute): each replica's product holds its "
+            "own rows only, so its loss is not the single-device one. Gather the other "
+            "side over the replicas with autodist.gather_batch(...) to train exactly "
+            "(README, Keras section).", stacklevel=3)
+    if graph_item.cross_replica_sums and nodes > 1:
+        raise NotImplementedError(
+            f"AutoDist does not yet sum a step's tensors over the replicas of several "
+            f"nodes: '{graph_item.cross_replica_sums[0]}' (a "
+            f"BatchNormalization(synchronized=True)'s statistics, or rows gathered by "
+            f"autodist.gather_batch) would need the {nodes} nodes' rows. Train on one "
+            "node, whose replicas share them, or leave them per replica "
+            "(synchronized=False; no gather_batch).")
+    if graph_item.batch_totals and nodes > 1:
+        raise NotImplementedError(
+            f"AutoDist does not yet divide a loss by a sum over the whole batch across "
+            f"nodes: the step divides by '{sorted(graph_item.batch_totals)[0]}' (a masked "
+            "loss's count of unmasked entries, or the sum of the sample weights), which "
+            f"each of the {nodes} nodes would take over its own rows only. "
+            "Train on one node (its replicas divide by the node's total, as one device "
+            "does), or normalize the loss by a number fixed in advance (reduction='sum' "
+            "divided by a constant).")
 
 
 def stored_bytes(compiled: CompiledStrategy, resource_spec: ResourceSpec) -> Dict[str, dict]:
