@@ -17,6 +17,9 @@ setup(
     ],
     entry_points={"console_scripts": ["autodist=autodist.cli:main"]},
     extras_require={
-        "test": ["pytest", "pytest-timeout", "pytest-xdist", "grpcio-tools>=1.85"],
+        # The model libraries are the test corpus's: users' models built from their code.
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "grpcio-tools>=1.85",
+                 "keras-hub>=0.32", "keras-rs>=0.4", "tf-keras>=2.21,<2.22",
+                 "tensorflow-recommenders>=0.7.7"],
     },
 )

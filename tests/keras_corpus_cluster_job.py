@@ -1,4 +1,5 @@
-"""Runs one script of the Keras corpus on every node of an emulated cluster.
+"""Runs one script of the Keras corpus (or the library corpus) on every node of an
+emulated cluster.
 
 The chief starts this script; AutoDist starts it on the other nodes. Every
 node runs the corpus script with its own rows of each global batch
@@ -21,8 +22,13 @@ def main() -> None:
     from autodist.strategy import get_builder
 
     spec, script, builder, out = sys.argv[1:5]
+    if script in kc.SCRIPTS:
+        scripts = kc.SCRIPTS
+    else:  # the library corpus's, which imports KerasHub and KerasRS
+        import library_corpus
+        scripts = library_corpus.SCRIPTS
     ad = AutoDist(spec, get_builder(builder))
-    result = kc.SCRIPTS[script](kc.Env(scope=ad.scope, function=ad.function, name=builder,
+    result = scripts[script](kc.Env(scope=ad.scope, function=ad.function, name=builder,
                                        node=ad.node_index, nodes=len(ad.resource_spec.nodes)))
     with open(f"{out}.node-{ad.node_index}.pkl", "wb") as target:
         pickle.dump(dataclasses.asdict(result), target)
