@@ -70,15 +70,20 @@ DIFFERS = {
 }
 
 
-def _marks(script: str) -> list:
-    if script not in DIFFERS:
-        return []
-    return [pytest.mark.xfail(strict=True, raises=AssertionError, reason=DIFFERS[script])]
+def corpus_cases(script_builders: dict, differs: dict, refused=()) -> list:
+    """pytest params (script, builder) of every script's builders but the ``refused``
+    scripts'; a script of ``differs`` is a strict xfail naming why."""
+    def marks(script: str) -> list:
+        if script not in differs:
+            return []
+        return [pytest.mark.xfail(strict=True, raises=AssertionError, reason=differs[script])]
+
+    return [pytest.param(script, builder, marks=marks(script), id=f"{script}-{builder}")
+            for script, builders in script_builders.items() for builder in builders
+            if script not in refused]
 
 
-CASES = [pytest.param(script, builder, marks=_marks(script), id=f"{script}-{builder}")
-         for script, builders in SCRIPT_BUILDERS.items() for builder in builders
-         if script not in REFUSED]
+CASES = corpus_cases(SCRIPT_BUILDERS, DIFFERS, REFUSED)
 REFUSED_CASES = [(script, builder) for script in REFUSED for builder in SCRIPT_BUILDERS[script]]
 
 

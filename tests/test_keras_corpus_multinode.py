@@ -1,4 +1,6 @@
-"""Four scripts of the Keras corpus on a 2-node emulated cluster, one replica per node.
+"""Four scripts of the Keras corpus and three of the library corpus (a KerasHub task
+training through its own ``fit``, a KerasRS DCN, a KerasRS DLRM with
+``DistributedEmbedding``) on a 2-node emulated cluster, one replica per node.
 
 Each node runs the script on its half of every global batch; the trained
 weights of every node and the chief's optimizer variables must equal
@@ -14,6 +16,8 @@ import numpy as np
 import pytest
 
 import clusters
+import keras_corpus as kc
+import test_library_corpus
 from test_keras_corpus import EXACT, TOLERANCE, _assert_close, single
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow, clusters.needs_root]
@@ -32,6 +36,9 @@ def two_nodes(tmp_path_factory):
     ("custom_train_step_loss_tracker", "PartitionedPS"),  # a Mean fed one loss per step
     ("transformer_position_embedding", "Parallax"),  # a position table, Adam
     ("mixed_precision", "AllReduce"),  # each node's loss scale, in step with the others
+    ("gpt2_causal_lm", "AllReduce"),
+    ("dcn_feature_cross", "PartitionedPS"),
+    ("dlrm_dot_interaction", "Parallax"),
 ])
 def test_corpus_script_on_two_nodes_equals_single_device(two_nodes, tmp_path, script, builder):
     cluster, spec = two_nodes
@@ -41,7 +48,8 @@ def test_corpus_script_on_two_nodes_equals_single_device(two_nodes, tmp_path, sc
                            builder, str(out)], capture_output=True, text=True, timeout=200,
                           env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    want, tolerance = single(script), TOLERANCE.get(script, EXACT)
+    want = single(script) if script in kc.SCRIPTS else test_library_corpus.single(script)
+    tolerance = TOLERANCE.get(script, EXACT)
     nodes = [pickle.loads((tmp_path / f"result.node-{k}.pkl").read_bytes()) for k in range(2)]
     for k, got in enumerate(nodes):
         _assert_close(got["weights"], want.weights, f"{script} under {builder}, node {k}",

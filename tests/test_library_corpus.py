@@ -21,7 +21,7 @@ import keras_corpus as kc
 import library_corpus as lc
 from autodist import AutoDist
 from autodist.strategy import AllReduce, Parallax, PartitionedPS
-from test_keras_corpus import EXACT, assert_same
+from test_keras_corpus import EXACT, assert_same, corpus_cases
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300),
               # KerasHub tasks hand fit a tf.data.Dataset, with fit's default shuffle=True
@@ -51,14 +51,7 @@ DIFFERS = {
 }
 
 
-def _marks(script: str) -> list:
-    if script not in DIFFERS:
-        return []
-    return [pytest.mark.xfail(strict=True, raises=AssertionError, reason=DIFFERS[script])]
-
-
-CASES = [pytest.param(script, builder, marks=_marks(script), id=f"{script}-{builder}")
-         for script, builders in SCRIPT_BUILDERS.items() for builder in builders]
+CASES = corpus_cases(SCRIPT_BUILDERS, DIFFERS)
 
 
 @functools.lru_cache(maxsize=None)
