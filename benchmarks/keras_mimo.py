@@ -44,14 +44,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
 import statistics
-import subprocess
 import sys
-import tempfile
-import threading
-from typing import Optional
 
+import lockstep
 import report
 
 BEGIN = "<!-- keras_mimo:begin -->"
@@ -62,8 +58,6 @@ GOAL_RATIO = 1.3
 WORDS, TAGS, DEPARTMENTS = 10000, 12, 4
 TITLE_WORDS, BODY_WORDS = 10, 100
 ROWS, BATCH = 1280, 32
-# A worker's lines to the coordinator: waiting for its go, a batch's seconds, fit's end.
-_READY, _STEP_TAG, _DONE = "KERAS_MIMO_READY", "KERAS_MIMO_STEP ", "KERAS_MIMO_DONE"
 
 
 def _data():
@@ -100,20 +94,7 @@ def _build():
 def run_worker(system: str, epochs: int) -> None:
     """Builds and fits the model under ``system`` in this process, one batch per
     ``go`` line read from stdin; writes each batch's seconds to stdout."""
-    import time
-    import keras
     import tensorflow as tf
-
-    class LockstepTimer(keras.callbacks.Callback):
-        autodist_reads_weights = False
-
-        def on_train_batch_begin(self, batch, logs=None):
-            print(_READY, flush=True)
-            sys.stdin.readline()  # the coordinator's go
-            self._start = time.perf_counter()
-
-        def on_train_batch_end(self, batch, logs=None):
-            print(f"{_STEP_TAG}{time.perf_counter() - self._start}", flush=True)
 
     if system == "keras":
         model = _build()
@@ -131,97 +112,17 @@ def run_worker(system: str, epochs: int) -> None:
             model = _build()
     inputs, targets = _data()
     model.fit(inputs, targets, epochs=epochs, batch_size=BATCH, verbose=0,
-              callbacks=[LockstepTimer()])
-    print(_DONE, flush=True)
-
-
-class _Worker:
-    """One system's process, driven a batch at a time; a process silent for ``timeout``
-    seconds counts as failed."""
-
-    def __init__(self, system: str, args):
-        command = [sys.executable, os.path.abspath(__file__), "--job", system,
-                   "--epochs", str(args.epochs)]
-        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-        self.system, self.error, self.done = system, None, False
-        self._timeout = args.timeout
-        self._stderr = tempfile.TemporaryFile(mode="w+")  # a pipe left unread could fill
-        self._process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=self._stderr, text=True, env=env)
-        self._lines = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-        self._wait_ready()
-
-    def _read(self) -> None:
-        for line in self._process.stdout:
-            self._lines.put(line.strip())
-        self._lines.put(None)  # the process closed its output
-
-    def _line(self) -> str:
-        try:
-            line = self._lines.get(timeout=self._timeout)
-        except queue.Empty:
-            line = None
-            self._process.kill()
-            self.error = f"silent for {self._timeout:.0f} s"
-        if line is None:
-            self.done = True
-            self._process.wait()
-            if self.error is None:
-                self._stderr.seek(0)
-                self.error = (self._stderr.read().strip().splitlines() or ["no output"])[-1]
-            return ""
-        return line
-
-    def _wait_ready(self) -> None:
-        """Reads to the process's next ``ready`` (or its end)."""
-        while not self.done:
-            line = self._line()
-            if line == _READY:
-                return
-            if line == _DONE:
-                self.done = True
-
-    def step(self) -> Optional[float]:
-        """Lets the process run one batch; its seconds, once it waits for the next."""
-        try:
-            self._process.stdin.write("go\n")
-            self._process.stdin.flush()
-        except BrokenPipeError:
-            pass  # it ended: _line reads why
-        seconds = None
-        while not self.done and seconds is None:
-            line = self._line()
-            if line.startswith(_STEP_TAG):
-                seconds = float(line[len(_STEP_TAG):])
-        self._wait_ready()
-        return seconds
-
-    def close(self) -> None:
-        self._process.kill()
-        self._process.wait()
-        self._stderr.close()
+              callbacks=[lockstep.timer()])
+    lockstep.finished()
 
 
 def run_round(args) -> dict:
-    """One lockstep run of fresh processes: system -> its steps' seconds (None when
-    its process failed), the steps of one cycle at one index."""
-    workers = [_Worker(system, args) for system in args.systems]
-    steps = {worker.system: [] for worker in workers}
-    try:
-        cycle = 0
-        while all(not worker.done for worker in workers):
-            for worker in (workers if cycle % 2 == 0 else workers[::-1]):
-                steps[worker.system].append(worker.step())
-            cycle += 1
-    finally:
-        for worker in workers:
-            worker.close()
-    for worker in workers:
-        if worker.error:
-            print(f"{worker.system} failed: {worker.error}", flush=True)
-            steps[worker.system] = None
-    return steps
+    """One lockstep run of fresh processes (``lockstep.run_round``): system -> its steps'
+    seconds (None when its process failed), the steps of one cycle at one index."""
+    script = os.path.abspath(__file__)
+    return lockstep.run_round(
+        {system: [sys.executable, script, "--job", system, "--epochs", str(args.epochs)]
+         for system in args.systems}, args.timeout)
 
 
 def measure(args) -> list:
@@ -232,10 +133,7 @@ def measure(args) -> list:
         steps = run_round(args)
         medians = {system: statistics.median(times[args.warmup:]) if times else None
                    for system, times in steps.items()}
-        keras_steps, two = steps.get("keras"), steps.get("AllReduce")
-        ratio = (statistics.median(a / k for a, k in zip(two[args.warmup:],
-                                                          keras_steps[args.warmup:]))
-                 if keras_steps and two else None)
+        ratio = lockstep.cycle_ratio(steps.get("AllReduce"), steps.get("keras"), args.warmup)
         rounds.append((medians, ratio))
         shown = ", ".join(f"{system} {_ms(step)} ms" for system, step in medians.items())
         print(f"round {round_index + 1}: {shown}; two replicas / keras per cycle "

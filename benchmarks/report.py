@@ -69,6 +69,8 @@ SECTIONS = (
      "a-table-larger-than-one-node-table_over_node"),
     ("Multi-input multi-output Keras model: step time (`keras_mimo`)",
      "multi-input-multi-output-keras-model-step-time-keras_mimo"),
+    ("Small models: AutoDist's fixed cost per step (`keras_library_step`)",
+     "small-models-autodists-fixed-cost-per-step-keras_library_step"),
 )
 
 HEADER = "\n".join([
