@@ -147,11 +147,12 @@ def check_graph(graph_item: GraphItem, resource_spec: ResourceSpec) -> None:
     if graph_item.rows_multiplied and len(resource_spec.replica_devices) > 1:
         warnings.warn(
             f"AutoDist: the step multiplies two tensors of the batch's rows "
-            f"('{graph_item.rows_multiplied[0]}', a [batch, batch] product, as in-batch "
-            "negatives and contrastive losses compute): each replica's product holds its "
-            "own rows only, so its loss is not the single-device one. Gather the other "
-            "side over the replicas with autodist.gather_batch(...) to train exactly "
-            "(README, Keras section).", stacklevel=3)
+            f"('{graph_item.rows_multiplied[0]}': the [batch, batch] scores of in-batch "
+            "negatives or a contrastive loss, or a sum over the batch used as a weight): "
+            "each replica computes it from its own rows only, so its loss is not the "
+            "single-device one. For in-batch negatives, gather the candidates over the "
+            "replicas with autodist.gather_batch(...) to train exactly (README, Keras "
+            "section).", stacklevel=3)
     if graph_item.cross_replica_sums and nodes > 1:
         raise NotImplementedError(
             f"AutoDist does not yet sum a step's tensors over the replicas of several "
