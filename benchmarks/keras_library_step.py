@@ -11,7 +11,8 @@ transformers), sized as users train them rather than as the corpus's tests do:
   ``keras_rs.layers.DistributedEmbedding`` (its CPU path), ``DotInteraction``, a
   top MLP (64); Adagrad; 256 rows a step;
 * ``two_tower``: the corpus's ``TwoTowerRetrieval`` (user and item towers of
-  2000 ids, 32 wide, in-batch negatives with ``HardNegativeMining``); Adam; 256 pairs a step;
+  2000 ids, 32 wide, in-batch negatives with ``HardNegativeMining``, the
+  candidates gathered over the replicas, as exact training needs); Adam; 256 pairs a step;
 * ``bert``: ``BertTextClassifier`` on a ``BertBackbone`` of 2 layers (64 wide,
   2 heads, vocabulary 2000), 3 classes; Adam; 32 sequences of 64 tokens a step;
 * ``gpt2``: ``GPT2CausalLM`` on a ``GPT2Backbone`` of the same size; Adam; 32
@@ -132,7 +133,8 @@ def build_dlrm(rows: int):
 
 
 def build_two_tower(rows: int, batch: int):
-    """The corpus's two-tower retrieval model, every batch's items distinct."""
+    """The corpus's two-tower retrieval model, every batch's items distinct, its
+    candidates gathered over the replicas (``autodist.gather_batch``: exact)."""
     import keras
     import numpy as np
     from library_corpus import TwoTowerRetrieval
@@ -141,7 +143,7 @@ def build_two_tower(rows: int, batch: int):
     user_id = rng.integers(0, users, size=(rows,)).astype("int32")
     item_id = np.concatenate([rng.permutation(items)[:batch]
                               for _ in range(-(-rows // batch))])[:rows].astype("int32")
-    model = TwoTowerRetrieval(users, items, dim=32, hard_negatives=8)
+    model = TwoTowerRetrieval(users, items, dim=32, hard_negatives=8, gathered=True)
     model.compile(optimizer=keras.optimizers.Adam(1e-3))
     return model, {"user_id": user_id, "item_id": item_id}, None
 
