@@ -90,12 +90,7 @@ def linear_regression_float64(seed: int = 0) -> Case:
     Each step feeds a new batch (the original's chief and worker each drew their own
     samples, i.e. each replica its rows of one global batch).
     """
-    tf1.set_random_seed(seed)
-    rng = np.random.RandomState(seed)
-    x = tf1.placeholder(tf.float64, shape=[None], name="x")
-    y = tf1.placeholder(tf.float64, shape=[None], name="y")
-    w = tf.Variable(5.0, name="W", dtype=tf.float64)
-    b = tf.Variable(0.0, name="b", dtype=tf.float64)
+    rng, x, y, w, b = _float64_scalars(seed)
     loss = tf.reduce_mean(tf.square(w * x + b - y))
     train_op = _apply(tf1.train.GradientDescentOptimizer(0.01), loss, [w, b])
     feeds = [dict(zip((x, y), _regression_data(rng, BATCH))) for _ in range(STEPS)]
@@ -165,15 +160,21 @@ def keras_cnn(seed: int = 0) -> Case:
     return Case(train_op, {"loss": loss}, {"step": tf1.train.get_global_step()}, feeds)
 
 
-def while_loop(seed: int = 0) -> Case:
-    """c4: ``state <- sigmoid(W * state + b)`` three times in a ``tf.while_loop``, the
-    result fit to a linear target, float64 ``W`` and ``b``, plain gradient descent."""
+def _float64_scalars(seed: int) -> tuple:
+    """The float64 regressions' start: a seeded numpy generator, fed ``x`` and ``y``
+    of one value a row, and the scalars ``W`` (5) and ``b`` (0)."""
     tf1.set_random_seed(seed)
-    rng = np.random.RandomState(seed)
     x = tf1.placeholder(tf.float64, shape=[None], name="x")
     y = tf1.placeholder(tf.float64, shape=[None], name="y")
     w = tf.Variable(5.0, name="W", dtype=tf.float64)
     b = tf.Variable(0.0, name="b", dtype=tf.float64)
+    return np.random.RandomState(seed), x, y, w, b
+
+
+def while_loop(seed: int = 0) -> Case:
+    """c4: ``state <- sigmoid(W * state + b)`` three times in a ``tf.while_loop``, the
+    result fit to a linear target, float64 ``W`` and ``b``, plain gradient descent."""
+    rng, x, y, w, b = _float64_scalars(seed)
     _, state = tf.while_loop(lambda step, _: step < 3,
                              lambda step, state: (step + 1, tf.sigmoid(w * state + b)),
                              [tf.constant(0), x])
