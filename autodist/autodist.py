@@ -184,12 +184,7 @@ class AutoDist:
         raise NotImplementedError(
             f"AutoDist distributes Keras 3 models, and {type(model).__name__} is a tf_keras "
             f"(Keras 2) model ({why}): compiled inside ad.scope(), its fit would train on "
-            "one device, undistributed. Build the model with Keras 3 (import keras; "
-            "keras.layers, keras.Model, keras.optimizers) and compile it in ad.scope(); or, "
-            "for a model that needs Keras 2 (TensorFlow Recommenders, TF-Ranking), call its "
-            "layers in a tf.compat.v1 graph, minimize the loss with a tf.compat.v1.train "
-            "optimizer inside ad.scope() and train with ad.create_distributed_session(), "
-            "without compile and fit.")
+            f"one device, undistributed. {keras_step.TF_KERAS_WAYS_OUT}")
 
     @staticmethod
     def _warn_tf_keras_imported() -> None:

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import warnings
-from typing import Dict, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -562,19 +563,10 @@ class GraphItem:
         raw = {name: gradient_ref(grad) for name, grad in call.raw_gradients.items()}
         applied = {v.op.name: gradient_ref(g) for g, v in call.grads_and_vars
                    if g is not None and v.op.name in raw}
-        consumers = {}
-        for node in self.graph_def.node:
-            for inp in node.input:
-                if not inp.startswith("^"):
-                    consumers.setdefault(op_name(inp), []).append(node.name)
+        consumers = self._data_consumers
         sources = {op_name(n) for ref in raw.values()
                    for n in (ref.values, ref.indices, ref.dense_shape) if n}
-        downstream, todo = set(), [c for s in sources for c in consumers.get(s, [])]
-        while todo:
-            name = todo.pop()
-            if name not in downstream:
-                downstream.add(name)
-                todo.extend(consumers.get(name, []))
+        downstream = self._downstream(c for s in sources for c in consumers.get(s, []))
         nodes = self._nodes
         ops, todo = set(), [op_name(n) for ref in applied.values()
                             for n in (ref.values, ref.indices, ref.dense_shape) if n]
@@ -649,6 +641,25 @@ class GraphItem:
                 totals.add(name)
         return frozenset(totals)
 
+    @functools.cached_property
+    def _data_consumers(self) -> Dict[str, List[str]]:
+        """Op name -> the ops reading one of its outputs (data edges, not control edges)."""
+        consumers: Dict[str, List[str]] = {}
+        for node in self.graph_def.node:
+            for inp in data_inputs(node):
+                consumers.setdefault(op_name(inp), []).append(node.name)
+        return consumers
+
+    def _downstream(self, sources: Iterable[str]) -> set:
+        """``sources`` and every op computed from them through data edges."""
+        reached, todo = set(), list(sources)
+        while todo:
+            name = todo.pop()
+            if name not in reached:
+                reached.add(name)
+                todo.extend(self._data_consumers.get(name, []))
+        return reached
+
     def _rows_multiplied(self) -> tuple:
         """The forward pass's products of a batch's rows with the batch's rows.
 
@@ -658,24 +669,9 @@ class GraphItem:
         adds them up, as the replicas' gradients do; a side gathered over the
         replicas (``cross_replica.gather_batch``) holds every row.
         """
-        consumers = {name: [] for name in self._nodes}
-        for node in self.graph_def.node:
-            for inp in data_inputs(node):
-                if op_name(inp) in consumers:
-                    consumers[op_name(inp)].append(node.name)
-
-        def downstream(sources) -> set:
-            reached, todo = set(), list(sources)
-            while todo:
-                name = todo.pop()
-                if name not in reached:
-                    reached.add(name)
-                    todo.extend(consumers[name])
-            return reached
-
-        from_rows = downstream(self.batched_inputs)
-        gathered = downstream(node.name for node in self.graph_def.node
-                              if marked(node, FIRST_ROW))
+        from_rows = self._downstream(self.batched_inputs)
+        gathered = self._downstream(node.name for node in self.graph_def.node
+                                    if marked(node, FIRST_ROW))
         found = []
         for node in self.graph_def.node:
             if (node.op != "MatMul" or node.attr["transpose_a"].b

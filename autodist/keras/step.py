@@ -252,6 +252,15 @@ def lift_step(traced_step: TracedStep) -> LiftedStep:
         return _lift(traced_step)
 
 
+# What every refusal of tf_keras (Keras 2) offers instead.
+TF_KERAS_WAYS_OUT = (
+    "Build the model and its optimizer with Keras 3 (import keras; keras.layers, "
+    "keras.Model, keras.optimizers) inside ad.scope(); or, for a model that needs Keras 2 "
+    "(TensorFlow Recommenders, TF-Ranking), call its layers in a tf.compat.v1 graph, "
+    "minimize the loss with a tf.compat.v1.train optimizer inside ad.scope() and train "
+    "with ad.create_distributed_session(), without compile and fit.")
+
+
 def _refuse_tf_keras_optimizers(traced_step: TracedStep) -> None:
     """Names the tf_keras (Keras 2) optimizers a step without a Keras 3 update applied.
 
@@ -270,10 +279,7 @@ def _refuse_tf_keras_optimizers(traced_step: TracedStep) -> None:
     raise NotImplementedError(
         f"AutoDist distributes Keras 3 optimizers (and tf.compat.v1.train optimizers in a "
         f"tf.compat.v1 graph), and {traced_step.label} applies the tf_keras (Keras 2) "
-        f"{kind} {names}{why}. Create the model and the optimizer with Keras 3 (import keras; "
-        "keras.optimizers) inside ad.scope(); or, for a model that needs Keras 2, call its "
-        "layers in a tf.compat.v1 graph, minimize the loss with a tf.compat.v1.train "
-        "optimizer inside ad.scope() and train with ad.create_distributed_session().")
+        f"{kind} {names}{why}. {TF_KERAS_WAYS_OUT}")
 
 
 def _lift(traced_step: TracedStep) -> LiftedStep:

@@ -303,7 +303,7 @@ def _row_positions(item: GraphItem, ctx: KernelContext) -> list:
     with tf.device(ctx.shared_device), tf.name_scope("autodist_row_positions"):
         size = tf.shape(batch)[0]
         return [{**{f"{name}:0": size for name in counts},
-                 **{f"{name}:0": size * r // n for name in firsts}} for r in range(n)]
+                 **{f"{name}:0": _first_row(size, r, n) for name in firsts}} for r in range(n)]
 
 
 def _replica_input(item: GraphItem, ctx: KernelContext, variable_handles: dict,
@@ -729,12 +729,16 @@ def _defer_shared_assigns(item: GraphItem, graph_def) -> dict:
     return merged
 
 
+def _first_row(size: tf.Tensor, replica: int, num_replicas: int) -> tf.Tensor:
+    """The index of replica i's first row in a batch of ``size`` rows: i*B/n."""
+    return size * replica // num_replicas
+
+
 def _batch_slice(batch: tf.Tensor, replica: int, num_replicas: int) -> tf.Tensor:
     """Rows [i*B/n, (i+1)*B/n) of a batch: replica i's share."""
     size = tf.shape(batch, out_type=tf.int64)[0]
-    start = size * replica // num_replicas
-    end = size * (replica + 1) // num_replicas
-    return batch[start:end]
+    return batch[_first_row(size, replica, num_replicas):
+                 _first_row(size, replica + 1, num_replicas)]
 
 
 def gradient_weights(item: GraphItem, ctx: KernelContext, call: int) -> list:
@@ -790,5 +794,5 @@ def row_weights(item: GraphItem, ctx: KernelContext) -> list:
     n = ctx.num_replicas
     with tf.device(ctx.shared_device), tf.name_scope("autodist_row_weights"):
         size = tf.shape(batch, out_type=tf.int64)[0]
-        return [tf.cast(n * (size * (r + 1) // n - size * r // n), tf.float64)
+        return [tf.cast(n * (_first_row(size, r + 1, n) - _first_row(size, r, n)), tf.float64)
                 / tf.cast(size, tf.float64) for r in range(n)]
