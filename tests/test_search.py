@@ -19,7 +19,7 @@ from autodist.search import AutoStrategy
 from autodist.strategy import BUILDERS, Strategy
 from autodist.strategy.compiler import NodeMemoryError
 from autodist.search.builder import SearchSettings, search_strategy
-from autodist.search.search import EXPLORE_SHARE, StrategySearch
+from autodist.search.search import EXPLORE_SHARE, SearchResult, StrategySearch
 from autodist.search.trial import CapturedGraph, TrialResult
 from test_equivalence import assert_equivalent
 
@@ -325,6 +325,79 @@ def test_ctrl_c_ends_the_search_with_the_best_strategy_so_far(tmp_path):
     result = search.run(measure, trials=10)
     assert result.interrupted and len(result.trials) == 3
     assert result.best_seconds == 0.2 and result.best is result.trials[1].strategy
+
+
+class LandscapeRunner:
+    """Stands in for the script runner with a :class:`Landscape`'s step times."""
+
+    def __init__(self, graph, spec):
+        self.landscape = Landscape(graph, spec)
+
+    def trial(self, strategy, warmup: int, steps: int) -> TrialResult:
+        return self.landscape(strategy)
+
+
+def _searched_with(tmp_path, **arguments) -> SearchResult:
+    graph, spec = synthetic_graph(6), heterogeneous_cluster()
+    settings = SearchSettings(trials=6, candidates=40, per_round=2, with_builders=False,
+                              log_dir=str(tmp_path / "log"), progress=False)
+    return search_strategy(graph, spec, LandscapeRunner(graph, spec), settings, **arguments)
+
+
+def test_a_second_ctrl_c_while_the_plot_is_drawn_leaves_the_best_strategy_saved(
+        tmp_path, monkeypatch):
+    from autodist.search import builder
+
+    def interrupted_plot(path, result):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(builder, "plot", interrupted_plot)
+    out = tmp_path / "out.strategy"
+    result = _searched_with(tmp_path, out=str(out))
+    assert result.interrupted and result.plot_skipped and result.plot_path is None
+    for path in (out, tmp_path / "log" / "best.strategy"):
+        assert Strategy.load(str(path)).id == result.best.id
+    assert (tmp_path / "log" / "calibration.json").exists()
+
+
+def test_a_ctrl_c_while_the_results_are_saved_waits_until_they_are(tmp_path, monkeypatch):
+    import signal
+    from autodist.simulator.ranking import RankingSimulator
+    save = RankingSimulator.save
+
+    def save_then_ctrl_c(self, path):
+        os.kill(os.getpid(), signal.SIGINT)  # as a terminal would, in the middle of the saves
+        return save(self, path)
+
+    monkeypatch.setattr(RankingSimulator, "save", save_then_ctrl_c)
+    result = _searched_with(tmp_path)
+    assert result.interrupted and result.plot_skipped
+    log = tmp_path / "log"
+    assert Strategy.load(str(log / "best.strategy")).id == result.best.id
+    assert (log / "simulator.npz").exists() and (log / "calibration.json").exists()
+    assert not (log / "search.png").exists()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_the_search_command_says_plainly_when_a_ctrl_c_left_nothing_to_save(
+        tmp_path, monkeypatch, capsys, spec_path):
+    from autodist import cli
+    from autodist.search import builder, commands
+
+    class InterruptedRunner:
+        def capture(self):
+            return CapturedGraph(synthetic_graph(4).trainable_variables, "f", spec_path)
+
+        def trial(self, strategy, warmup, steps):
+            raise KeyboardInterrupt  # the first trial is cut short
+
+    monkeypatch.setattr(commands, "_runner", lambda args, workdir: InterruptedRunner())
+    out = tmp_path / "best.strategy"
+    status = cli.main(["search", EXAMPLE, "--trials", "2", "--no-builders", "--candidates", "20",
+                       "--log-dir", str(tmp_path / "log"), "--out", str(out)])
+    assert status == 130 and not out.exists()
+    assert (f"Interrupted (Ctrl-C) before any trial finished: nothing is saved, {out} was not "
+            "written.") in capsys.readouterr().err
 
 
 def test_ctrl_c_before_any_trial_succeeded_is_not_swallowed():

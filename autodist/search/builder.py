@@ -16,13 +16,16 @@ its own steps) and returns the fastest measured. Everything it learns goes to
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import math
 import os
+import signal
 import sys
-from typing import Any, Optional, Tuple
+import threading
+from typing import Any, Iterator, List, Optional, Tuple
 
 from autodist.resource_spec import ResourceSpec
 from autodist.simulator.calibration import Calibration
@@ -134,7 +137,7 @@ class AutoStrategy(StrategyBuilder):
 
 
 def search_strategy(graph: Any, resource_spec: ResourceSpec, runner: Optional[ScriptRunner],
-                    settings: SearchSettings) -> SearchResult:
+                    settings: SearchSettings, out: Optional[str] = None) -> SearchResult:
     """Runs a search and writes its results to ``settings.log_dir``.
 
     Args:
@@ -142,9 +145,12 @@ def search_strategy(graph: Any, resource_spec: ResourceSpec, runner: Optional[Sc
         resource_spec: the cluster.
         runner: runs the trials; unused with ``settings.trials == 0``.
         settings: how to search.
+        out: another path to save the best strategy to, with ``best.strategy``.
 
     Returns:
-        SearchResult: ``best`` is also saved as ``best.strategy``.
+        SearchResult: ``best`` is also saved as ``best.strategy`` (and at ``out``),
+        before the plot is drawn: a Ctrl-C while they are saved is held back until
+        they are, one while the plot is drawn skips it; both mark it ``interrupted``.
     """
     os.makedirs(settings.log_dir, exist_ok=True)
     simulator_path = os.path.join(settings.log_dir, "simulator.npz")
@@ -180,15 +186,45 @@ def search_strategy(graph: Any, resource_spec: ResourceSpec, runner: Optional[Sc
             return outcome
 
         result = search.run(trial, settings.trials, builders, on_trial)
-        result.plot_path = plot(os.path.join(settings.log_dir, "search.png"), result)
-    result.best.save(os.path.join(settings.log_dir, "best.strategy"))
-    if search.simulator.trained:
-        search.simulator.save(simulator_path)
-        with open(calibration_path, "w") as target:
-            json.dump(result.calibration.to_json(), target, indent=1)
-        with open(f"{simulator_path}.key", "w") as key_file:
-            key_file.write(key)
+    # What a search cost is saved before anything else, whole even if a second Ctrl-C
+    # arrives meanwhile; the plot, which only shows it, comes last and may be cut short.
+    with _interrupts_deferred() as interrupts:
+        for path in dict.fromkeys([os.path.join(settings.log_dir, "best.strategy"), out]):
+            if path is not None:
+                result.best.save(path)
+        if search.simulator.trained:
+            search.simulator.save(simulator_path)
+            with open(calibration_path, "w") as target:
+                json.dump(result.calibration.to_json(), target, indent=1)
+            with open(f"{simulator_path}.key", "w") as key_file:
+                key_file.write(key)
+    result.interrupted |= bool(interrupts)
+    if settings.trials and not interrupts:
+        try:
+            result.plot_path = plot(os.path.join(settings.log_dir, "search.png"), result)
+        except KeyboardInterrupt:
+            result.interrupted = True
+    if result.interrupted and result.plot_path is None and settings.trials:
+        result.plot_skipped = True
     return result
+
+
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[List[int]]:
+    """Holds back Ctrl-C (SIGINT) within the block; yields the signals that arrived.
+
+    Python lets a handler be set from the main thread only; elsewhere (a
+    notebook's worker thread, say) the block runs as it is.
+    """
+    arrived: List[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield arrived
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: arrived.append(signum))
+    try:
+        yield arrived
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def timed_steps(steps: int, min_seconds: float, fastest: Optional[float]) -> int:

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from autodist.usage import check_output_path, options_checked
+
+INTERRUPTED_STATUS = 130  # a shell's status for a command a Ctrl-C (SIGINT) ended
 
 
 def _runner(args: argparse.Namespace, workdir: str):
@@ -44,8 +47,13 @@ def _search(args: argparse.Namespace) -> int:
     spec = ResourceSpec(captured.spec)
     print(f"{len(captured.trainable_variables)} trainable variables; cluster {captured.spec} "
           f"({len(spec.nodes)} nodes, {spec.num_replicas} replicas).", flush=True)
-    result = search_strategy(captured, spec, runner, settings)
-    path = result.best.save(args.out)
+    try:
+        result = search_strategy(captured, spec, runner, settings, out=args.out)
+    except KeyboardInterrupt:  # a search keeps what any trial found: here none had finished
+        print(f"\nInterrupted (Ctrl-C) before any trial finished: nothing is saved, "
+              f"{args.out} was not written.", file=sys.stderr)
+        return INTERRUPTED_STATUS
+    path = args.out
     print()
     if result.interrupted:
         print(f"Interrupted (Ctrl-C) after {len(result.trials)} trials; the best so far:")
@@ -60,6 +68,8 @@ def _search(args: argparse.Namespace) -> int:
     print(f"Saved to {path}; log and simulator in {args.log_dir}/.")
     if result.plot_path:
         print(f"Plot: {result.plot_path}")
+    elif result.plot_skipped:
+        print("No plot: Ctrl-C came before it was drawn.")
     else:
         print("No plot: matplotlib is not installed (python3 -m pip install matplotlib).")
     print(f"Reuse it: AutoDist(..., strategy_builder=Strategy.load({path!r}))")

@@ -100,6 +100,7 @@ class SearchResult:
     simulator: RankingSimulator
     calibration: Calibration = dataclasses.field(default_factory=Calibration)
     plot_path: Optional[str] = None  # search.png, once drawn
+    plot_skipped: bool = False  # a Ctrl-C came before the plot was drawn
     interrupted: bool = False  # Ctrl-C ended it early: ``best`` is the best so far
 
     @property
