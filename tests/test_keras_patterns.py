@@ -13,6 +13,7 @@ import functools
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 
@@ -23,6 +24,7 @@ import tensorflow as tf
 
 from autodist import AutoDist
 from autodist.graph_item import GraphItem
+from autodist.keras import saving
 from autodist.strategy import AllReduce, PartitionedPS
 from test_keras import BUILDERS, assert_same, snapshot
 
@@ -742,6 +744,33 @@ def test_a_save_cut_by_sigkill_leaves_the_previous_file_whole(spec_path, tmp_pat
                               keras.layers.Dense(4096)])
     model.load_weights(str(path))  # whole: a cut file would not load
     assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == [path.name]
+    killed_save = tmp_path / f".model.autodist-{socket.gethostname()}-{job.pid}.weights.h5"
+    assert killed_save.exists()  # the partial file of the save cut short
+    assert saving.remove_stale_temporaries(str(path)) == [str(killed_save)]
+
+
+def test_a_save_removes_the_temporary_files_of_earlier_saves_that_were_killed(spec_path,
+                                                                            tmp_path):
+    path = tmp_path / "model.weights.h5"
+    finished = subprocess.Popen([sys.executable, "-c", "pass"])
+    finished.wait()  # its id stands for a process killed in the middle of a save
+
+    def left_by(pid, host=socket.gethostname()):
+        name = f".model.autodist-{host}-{pid}.weights.h5"  # as the README names them
+        (tmp_path / name).write_bytes(b"part of a save")
+        return name
+
+    killed = left_by(finished.pid)
+    running = left_by(os.getppid())  # a live process: perhaps still writing
+    other_host = left_by(finished.pid, host="another-host")
+    ad = AutoDist(spec_path)
+    with ad.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.compile(optimizer="sgd", loss="mse")
+    model.save_weights(str(path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [path.name, running, other_host])
+    assert killed not in os.listdir(tmp_path)
 
 
 SIGNALLED_IN_SAVE = """
@@ -821,9 +850,9 @@ def test_a_save_that_outlasts_its_grace_is_abandoned_keeping_the_previous_file(s
     assert all((w == 0).all() for w in weights)  # the previous save
 
 
-@pytest.mark.parametrize("value", ["soon", "-1", "nan"])
+@pytest.mark.parametrize("value", ["soon", "-1", "nan", "inf", "1e300"])
 def test_a_bad_save_grace_is_named_at_start(spec_path, monkeypatch, value):
     monkeypatch.setenv("AUTODIST_SAVE_GRACE_S", value)
     with pytest.raises(ValueError, match=rf"AUTODIST_SAVE_GRACE_S='{value}' is not a number "
-                                         rf"of seconds >= 0"):
+                                         rf"of seconds from 0 to 86400"):
         AutoDist(spec_path)

@@ -6,7 +6,8 @@
 * write a temporary file beside the target, named after the target, the host
   and the process, and rename it over the target once it is complete. A
   process killed in the middle (SIGKILL, a lost machine) leaves the previous
-  file whole;
+  file whole, and the next save of the target removes that process's temporary
+  file;
 * hold SIGTERM and SIGINT while they run: the save finishes first, within
   ``AUTODIST_SAVE_GRACE_S`` seconds (20 by default) of the signal, and the
   signal then acts as it would have (the chief stops its job, Ctrl-C raises
@@ -28,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import signal
 import socket
 import sys
@@ -40,6 +42,7 @@ from autodist import _keras_compat
 
 SAVE_GRACE_ENV = "AUTODIST_SAVE_GRACE_S"
 DEFAULT_SAVE_GRACE_S = 20.0  # within the 30 s Slurm and Kubernetes allow before SIGKILL
+MAX_SAVE_GRACE_S = 86400.0  # a thread's wait refuses timeouts past 2^63 ns, "inf" among them
 _EXIT_IF_STUCK_S = 5.0  # after the bound, the main thread's handler gets this long to act
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _SUFFIXES = (".weights.h5", ".keras", ".h5")
@@ -63,18 +66,53 @@ def guard_saves(model: keras.Model, writes: bool = True) -> None:
 def temporary_path(filepath: str) -> str:
     """Where a save of ``filepath`` writes before the rename: beside it, hidden, named
     after it, this host and this process, with its suffix (which Keras checks)."""
+    directory, head, suffix = _temporary_parts(filepath)
+    return os.path.join(directory, f"{head}{os.getpid()}{suffix}")
+
+
+def remove_stale_temporaries(filepath: str) -> list:
+    """Removes what saves of ``filepath`` by this host's processes that are gone left
+    (killed in the middle, so never renamed); returns the paths removed.
+
+    Another host's leftovers on a shared file system stay: whether their process
+    still writes cannot be told from here.
+    """
+    directory, head, suffix = _temporary_parts(filepath)
+    pattern = re.compile(re.escape(head) + r"(\d+)" + re.escape(suffix))
+    removed = []
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(directory):
+            match = pattern.fullmatch(name)
+            if match and not _is_running(int(match.group(1))):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(directory, name))
+                    removed.append(os.path.join(directory, name))
+    return removed
+
+
+def _temporary_parts(filepath: str) -> tuple:
+    """(directory, name up to the process id, suffix) of ``temporary_path(filepath)``."""
     directory, name = os.path.split(os.path.abspath(filepath))
     suffix = next(s for s in _SUFFIXES if name.endswith(s))
-    stem = name[:-len(suffix)]
-    return os.path.join(directory, f".{stem}.autodist-{socket.gethostname()}-{os.getpid()}"
-                                   f"{suffix}")
+    return directory, f".{name[:-len(suffix)]}.autodist-{socket.gethostname()}-", suffix
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def save_grace() -> float:
     """Seconds a save may go on after a stop signal (``AUTODIST_SAVE_GRACE_S``).
 
     Raises:
-        ValueError: when the variable is set to something else than a number >= 0.
+        ValueError: when the variable is set to something else than a number of
+            seconds from 0 to ``MAX_SAVE_GRACE_S``.
     """
     text = os.environ.get(SAVE_GRACE_ENV, "").strip()
     if not text:
@@ -83,8 +121,9 @@ def save_grace() -> float:
         seconds = float(text)
     except ValueError:
         seconds = -1.0
-    if not seconds >= 0:
-        raise ValueError(f"{SAVE_GRACE_ENV}={text!r} is not a number of seconds >= 0.")
+    if not 0 <= seconds <= MAX_SAVE_GRACE_S:
+        raise ValueError(f"{SAVE_GRACE_ENV}={text!r} is not a number of seconds from 0 to "
+                         f"{MAX_SAVE_GRACE_S:g}: a stop waits for a save at most a day.")
     return seconds
 
 
@@ -106,6 +145,7 @@ def _saved_aside(save: Callable, filepath, *args, **kwargs):
         with _stops_held(path, abandon), _keras_compat.deferred_variables_saved_in_pieces():
             result = save(temporary, *args, **kwargs)
             os.replace(temporary, path)
+        remove_stale_temporaries(path)
         return result
     finally:
         abandon()
