@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 from typing import Iterator
 
 
@@ -44,3 +45,12 @@ def check_output_path(path: str, option: str) -> None:
     if not os.access(directory, os.W_OK) or (os.path.exists(path)
                                              and not os.access(path, os.W_OK)):
         raise ValueError(f"{option} {path} is not writable.")
+    # access() says nothing of names (one too long for the temporary sibling the
+    # commands write first, say): make such a sibling.
+    try:
+        handle, sibling = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.")
+    except OSError as err:
+        raise ValueError(f"{option} {path} cannot be written: making a file beside it "
+                         f"failed ({err.strerror}).") from None
+    os.close(handle)
+    os.remove(sibling)

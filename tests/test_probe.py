@@ -144,6 +144,26 @@ def test_cli_refuses_an_option_out_of_range_as_a_usage_error(tmp_path, capsys, o
     assert "Traceback" not in err
 
 
+def _refused_before_measuring(tmp_path, capsys, out: str) -> str:
+    """The usage error ``autodist probe --out out`` ends with, on a spec whose node fails at
+    once: a probe that measured first would name that node instead."""
+    source = _write(tmp_path / "spec.yml", {"nodes": [{"address": "localhost", "chief": True},
+                                                      {"address": "127.0.0.1", "launch_prefix": ["/nonexistent"]}]})
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["probe", source, "--out", out])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.splitlines()[-1]
+
+
+def test_an_out_path_whose_files_cannot_be_made_is_named_before_measuring(tmp_path, capsys):
+    out = str(tmp_path / ("n" * 250 + ".yml"))  # a name the temporary beside it cannot extend
+    assert _refused_before_measuring(tmp_path, capsys, out) == (
+        f"autodist probe: error: --out {out} cannot be written: making a file beside it "
+        "failed (File name too long).")
+
+
 # --- As root: an emulated cluster with tc-shaped links ---------------------------------------------
 
 @pytest.fixture(scope="module")

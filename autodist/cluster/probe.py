@@ -492,12 +492,18 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _write_atomically(path: str, text: str) -> None:
-    """Writes through a temporary file, so an interrupted run leaves the old file intact."""
+    """Writes through a temporary file, so an interrupted run leaves the old file intact.
+
+    Raises:
+        OSError: naming ``path`` (not the temporary file) and the cause.
+    """
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)
+    except OSError as err:
+        raise OSError(err.errno, f"cannot write {path}: {err.strerror}") from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
