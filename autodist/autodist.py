@@ -53,7 +53,9 @@ class AutoDist:
         ``minimize``/``apply_gradients``, must be built inside it and the session
         created there too. On a cluster the chief starts this same script on
         every other node; each node must build the same model and feeds its own
-        data.
+        data. A process runs one multi-node job: a second AutoDist on a cluster
+        is refused when it is made after the first one trained, else before it
+        builds a strategy or launches a worker. Start each such job in a new process.
 
     Warning:
         On a cluster the chief installs process-wide handlers: SIGTERM stops the
@@ -80,6 +82,7 @@ class AutoDist:
 
     Raises:
         ResourceSpecError: when the spec is missing or invalid.
+        RuntimeError: on a cluster, when this process already joined a multi-node job.
         TypeError: when ``strategy_builder`` is neither a builder nor a Strategy.
         ValueError: when ``accumulation_steps`` is not an int from 1 to
             ``MAX_ACCUMULATION_STEPS``, or an ``AUTODIST_*`` variable is set to a
@@ -294,6 +297,8 @@ class AutoDist:
                 "trains another (a Keras step traced again: for data of another structure, "
                 "e.g. train_on_batch after fit, or sample weights in one call only, or for a "
                 "model compiled again). Feed data of one structure and compile once.")
+        # Before a search or a launch: another instance's job may already hold this process.
+        runtime.check_no_job_joined()
         self._joined = True
         if role.is_chief:
             strategy = self._build_strategy(item)
@@ -317,16 +322,17 @@ class AutoDist:
         ctx = self._kernel_context(item, compiled, runtime.tf_devices(spec))
         timer = self._trial.step_timer(role.is_chief)
         if role.is_chief:
-            on_step, stuck_nodes, check_not_left = timer, peer.stuck_nodes, peer.check_not_left
+            on_step, stuck_nodes = timer, peer.stuck_nodes
         else:
             def on_step():
                 peer.step_done()
                 if timer is not None:
                     timer()
-            stuck_nodes = check_not_left = None
+            stuck_nodes = None
         session = DistributedSession(transform(item, compiled, ctx), config=node_config,
                                      target=server.target, monitor=monitor, on_step=on_step,
-                                     stuck_nodes=stuck_nodes, check_not_left=check_not_left)
+                                     stuck_nodes=stuck_nodes, check_not_left=peer.check_not_left,
+                                     on_training_end=peer.training_ended)
         if role.is_chief:
             peer.wait_ready(JOIN_TIMEOUT_S)  # every node has initialized its copies
             session.release_start_state()

@@ -93,16 +93,20 @@ class DistributedSession:
         stuck_nodes: with a monitor, the nodes still in a step after the given
             number of finished steps; a training run that takes longer than its
             bound (``STUCK_FACTOR``) then raises ``StuckStepError`` naming them.
-        check_not_left: with a monitor, called with the number of finished
-            steps while a training run waits; raises when a node it needs has
-            already left the job (its script ended).
+        check_not_left: called with the number of finished steps about twice a
+            second while a training run waits; raises when a node it needs has
+            already left the job (its script ended, or a callback stopped its
+            training).
+        on_training_end: called by :meth:`training_ended` with the number of
+            finished steps.
     """
 
     def __init__(self, distributed: DistributedGraph, config=None, target: str = "",
                  init_timeout: float = 120.0, monitor: Optional[Callable[[], None]] = None,
                  on_step: Optional[Callable[[], None]] = None,
                  stuck_nodes: Optional[Callable[[int], list]] = None,
-                 check_not_left: Optional[Callable[[int], None]] = None):
+                 check_not_left: Optional[Callable[[int], None]] = None,
+                 on_training_end: Optional[Callable[[int, bool], None]] = None):
         self._distributed = distributed
         self._graph = distributed.graph
         self._cache = {}
@@ -125,6 +129,7 @@ class DistributedSession:
         self._on_step = on_step
         self._stuck_nodes = stuck_nodes
         self._check_not_left = check_not_left
+        self._on_training_end = on_training_end
         self._step_seconds = []  # the latest updating runs' durations
         self._steps_done = 0  # training runs, accumulating ones included
         self._runs_of = [0] * len(distributed.updates)  # per optimizer call, its training runs
@@ -135,13 +140,17 @@ class DistributedSession:
         self._watched(self._initialize, init_timeout)
         self._trim_heap()
 
-    def _watched(self, function, *args, stuck_after: Optional[float] = None, **kwargs):
-        """Calls ``function``; with a monitor, in a thread so a failure elsewhere aborts it.
+    def _watched(self, function, *args, training: bool = False,
+                 stuck_after: Optional[float] = None, **kwargs):
+        """Calls ``function``; with a monitor (or, training, ``check_not_left``), in a
+        thread so a failure elsewhere aborts it.
 
         Args:
+            training: the call is a training run.
             stuck_after: seconds after which the call counts as a stuck step.
         """
-        if self._monitor is None:
+        check_left = self._check_not_left if training else None
+        if self._monitor is None and check_left is None:
             return function(*args, **kwargs)
         outcome = {}
 
@@ -157,14 +166,15 @@ class DistributedSession:
         while thread.is_alive():
             thread.join(_MONITOR_INTERVAL_S)
             if thread.is_alive():
-                self._monitor()
-                if stuck_after is not None and self._check_not_left is not None:
-                    self._check_not_left(self._steps_done)
+                if self._monitor is not None:
+                    self._monitor()
+                if check_left is not None:
+                    check_left(self._steps_done)
                 elapsed = time.monotonic() - started
                 if stuck_after is not None and elapsed > stuck_after:
                     raise StuckStepError(self._steps_done + 1, elapsed, stuck_after,
                                          self._stuck_nodes(self._steps_done))
-        if isinstance(outcome.get("error"), _PEER_ERRORS):
+        if self._monitor is not None and isinstance(outcome.get("error"), _PEER_ERRORS):
             # A step failing because a peer vanished says so in TF's words; the
             # monitor names the node, once the dead process has been noticed.
             deadline = time.monotonic() + _FAILURE_ATTRIBUTION_S
@@ -258,13 +268,15 @@ class DistributedSession:
         callable_run = (self._callable(mapped, feeds)
                         if options is None and run_metadata is None else None)
         if callable_run is not None:
-            result = self._watched(callable_run, *feeds.values(), stuck_after=bound)
+            result = self._watched(callable_run, *feeds.values(), training=bool(trained),
+                                   stuck_after=bound)
         else:
             result = self._watched(self._session.run, mapped, feed_dict=feeds, options=options,
-                                   run_metadata=run_metadata, stuck_after=bound)
+                                   run_metadata=run_metadata, training=bool(trained),
+                                   stuck_after=bound)
         if seconds:
             left = None if bound is None else max(0.0, bound - (time.monotonic() - started))
-            self._watched(self._session.run, seconds, stuck_after=left)
+            self._watched(self._session.run, seconds, training=True, stuck_after=left)
         self._trim_heap()
         for index in trained:
             self._runs_of[index] += 1
@@ -276,6 +288,23 @@ class DistributedSession:
             if self._on_step is not None:
                 self._on_step()
         return result
+
+    def training_ended(self, early: bool) -> None:
+        """The caller's training loop (a Keras ``fit``) ended after the steps run so far.
+
+        On a cluster every node must run the same steps: the other nodes learn where
+        this one's training ended. After an early stop this returns once every node
+        stopped at the same step; a node that went on into the next step fails
+        naming this one, and so does this call.
+
+        Args:
+            early: stopped before its planned end (a callback set ``stop_training``).
+
+        Raises:
+            StoppedEarlyError: see above (``autodist.cluster.runtime``).
+        """
+        if self._on_training_end is not None:
+            self._on_training_end(self._steps_done, early)
 
     def _callable(self, fetches, feeds: dict) -> Optional[Callable]:
         """A callable running a flat list of ``fetches`` on ``feeds``' values, in their

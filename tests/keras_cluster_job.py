@@ -7,6 +7,7 @@ training must equal single-device ``fit`` on the whole global batch, which
 
     python keras_cluster_job.py SPEC BUILDER OUT [--epochs N] [--die-at STEP]
                                 [--checkpoint PATH [--stop-in-save N]] [--defer-bytes N]
+                                [--stop-on NODE[,NODE...] --stop-at BATCH]
 """
 import argparse
 import json
@@ -57,12 +58,14 @@ def build_model(model_class=keras.Model) -> keras.Model:
     return model
 
 
-def reference(num_replicas: int, epochs: int) -> tuple:
-    """Single-device ``fit`` on the global batches: (weights, history)."""
+def reference(num_replicas: int, epochs: int, stop_at: int = -1) -> tuple:
+    """Single-device ``fit`` on the global batches, stopped after batch ``stop_at`` of the
+    first epoch if given: (weights, history)."""
     ids, x, y = data(num_replicas)
     model = build_model()
     history = model.fit([ids, x], y, batch_size=ROWS_PER_REPLICA * num_replicas,
-                        epochs=epochs, shuffle=False, verbose=0)
+                        epochs=epochs, shuffle=False, verbose=0,
+                        callbacks=[_StopAt(None, stop_at)] if stop_at >= 0 else [])
     return model.get_weights(), history.history
 
 
@@ -77,6 +80,26 @@ class _DieAt(keras.callbacks.Callback):
         if batch == self._step:
             print(f"worker dies at {time.time():.3f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _StopAt(keras.callbacks.Callback):
+    """Stops training (``model.stop_training``) after batch ``batch`` of the first epoch,
+    deciding on its node alone; on a cluster job's node ``node`` it says when."""
+
+    autodist_reads_weights = False  # it reads no weights: no copy per batch
+
+    def __init__(self, node, batch: int):
+        super().__init__()
+        self._node, self._batch, self._epoch = node, batch, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._epoch == 0 and batch == self._batch:
+            if self._node is not None:
+                print(f"node {self._node} stops training at {time.time():.3f}", flush=True)
+            self.model.stop_training = True
 
 
 def main() -> None:
@@ -95,6 +118,10 @@ def main() -> None:
                         help="the chief gets SIGTERM in the middle of this save")
     parser.add_argument("--defer-bytes", type=int,
                         help="weights this large get no eager value until read")
+    parser.add_argument("--stop-on", default="",
+                        help="a callback stops training on these nodes (indices, comma-separated)")
+    parser.add_argument("--stop-at", type=int, default=0,
+                        help="after this batch of the first epoch (with --stop-on)")
     args = parser.parse_args()
     if args.defer_bytes is not None:
         from autodist.keras import step
@@ -116,6 +143,8 @@ def main() -> None:
     with ad.scope():
         model = build_model(StopsInSave)
     callbacks = [_DieAt(args.die_at)] if args.die_at >= 0 and not ad.is_chief else []
+    if str(ad.node_index) in args.stop_on.split(","):
+        callbacks.append(_StopAt(ad.node_index, args.stop_at))
     if args.checkpoint:
         callbacks.append(keras.callbacks.ModelCheckpoint(args.checkpoint,
                                                          save_weights_only=True))

@@ -7,8 +7,10 @@ which fits its own rows.
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -98,6 +100,57 @@ def test_a_worker_killed_mid_fit_is_reported_by_name(two_nodes, tmp_path):
     assert done.returncode != 0
     worker = cluster.hosts[1].address
     assert f"Worker node '{worker}' failed" in done.stderr, done.stderr[-3000:]
+    _assert_no_job_left()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("stopping", [0, 1], ids=["chief", "worker"])
+def test_a_node_whose_callback_alone_stops_training_is_named_on_every_node(
+        two_nodes, tmp_path, stopping):
+    """A callback sets ``model.stop_training`` after the second batch on one node only; the
+    other goes on into step 3, which needs both. Within seconds, not after the 30 s of
+    a lost chief: every node fails with an error naming the node that stopped and the
+    step; the one that stopped says it waited for the other, which says it went on."""
+    cluster, spec = two_nodes
+    done = _run_job(cluster, spec, "AllReduce", tmp_path / "w.npz",
+                    "--stop-on", str(stopping), "--stop-at", "1")
+    ended = time.time()
+    stopped = float(re.search(rf"node {stopping} stops training at ([0-9.]+)",
+                              done.stdout).group(1))
+    assert ended - stopped < 20, (f"the job ended {ended - stopped:.1f} s after the early stop",
+                                  done.returncode, done.stderr[-3000:])
+    assert done.returncode != 0
+    node, other = cluster.hosts[stopping].address, cluster.hosts[1 - stopping].address
+    named = (rf"^\S*StoppedEarlyError: AutoDist: node '{re.escape(node)}' stopped training "
+             r"early after 2 training steps \(a callback set model.stop_training there\)")
+    # Each node's own error, each at the start of its line: the one that went on ...
+    assert re.search(rf"{named}, while node '{re.escape(other)}' went on into step 3",
+                     done.stderr, re.MULTILINE), done.stderr[-3000:]
+    # ... and the one that stopped, which waited for the other.
+    waited = (rf"{named}; it waited for the other nodes to stop there too, but node "
+              rf"'{re.escape(other)}' failed")
+    assert re.search(waited, done.stderr, re.MULTILINE), done.stderr[-3000:]
+    assert "has not answered" not in done.stderr and "StuckStepError" not in done.stderr
+    _assert_no_job_left()
+
+
+@pytest.mark.timeout(240)
+def test_nodes_whose_callbacks_all_stop_at_one_batch_end_together(two_nodes, tmp_path):
+    """Every node's callback stops training after the second batch: the job ends at once
+    and cleanly, trained as single-device fit stopped there."""
+    cluster, spec = two_nodes
+    out = tmp_path / "w.npz"
+    done = _run_job(cluster, spec, "AllReduce", out, "--stop-on", "0,1", "--stop-at", "1")
+    ended = time.time()
+    assert done.returncode == 0, done.stderr[-3000:]
+    stopped = max(float(t) for t in re.findall(r"stops training at ([0-9.]+)", done.stdout))
+    assert ended - stopped < 20, f"the job ended {ended - stopped:.1f} s after the stop"
+    want, history = keras_cluster_job.reference(sum(h.num_cpus for h in cluster.hosts),
+                                                EPOCHS, stop_at=1)
+    got = np.load(out)
+    for i, expected in enumerate(want):
+        np.testing.assert_allclose(got[f"arr_{i}"], expected, rtol=1e-5, atol=1e-5)
+    assert len(history["loss"]) == 1
     _assert_no_job_left()
 
 

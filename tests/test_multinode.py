@@ -570,6 +570,115 @@ def test_only_the_jobs_nodes_reach_its_tensorflow_servers(three_nodes, tmp_path)
     _assert_no_job_left()
 
 
+# Two AutoDist instances on the cluster in one process, the second made before the first
+# trains or after it trained (a notebook's next cell). Every process says when it starts.
+_TWO_JOBS = """
+import os, sys
+import numpy as np
+import tensorflow as tf
+from autodist import AutoDist
+from autodist.strategy import AllReduce
+tf1 = tf.compat.v1
+print("process starts as", os.environ.get("AUTODIST_WORKER", "the chief"), flush=True)
+
+
+def train(ad, name):
+    with tf.Graph().as_default(), ad.scope():
+        x = tf1.placeholder(tf.float32, [None, 2])
+        w = tf1.get_variable("w", [2, 1], use_resource=True, initializer=tf1.zeros_initializer())
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - 1.0))
+        step = tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        session = ad.create_distributed_session()
+        for _ in range(2):
+            session.run(step, {x: np.ones((2, 2), np.float32)})
+    print(name, "job trained on node", ad.node_index, flush=True)
+
+
+spec, second_made = sys.argv[1], sys.argv[2]
+first = AutoDist(spec, AllReduce())
+if second_made == "before":
+    second = AutoDist(spec, AllReduce())
+train(first, "first")
+if second_made == "after":
+    second = AutoDist(spec, AllReduce())
+train(second, "second")
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("second_made", ["before", "after"])
+def test_a_second_job_in_one_process_is_refused_before_it_launches_a_worker(two_nodes, tmp_path,
+                                                                            second_made):
+    """A process runs one multi-node job: the chief refuses the second by name, launching
+    no worker for it; no worker says anything misleading or outlives the chief."""
+    cluster, spec = two_nodes
+    job = tmp_path / "two_jobs_in_one_process.py"
+    job.write_text(_TWO_JOBS)
+    out, err = tmp_path / "out", tmp_path / "err"
+    # Output to files, not pipes: the workers share them, and a pipe's reader would wait
+    # for the last worker to end, not for the chief.
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        code = subprocess.run([*cluster.hosts[0].launch_prefix, sys.executable, str(job), spec,
+                               second_made], stdout=stdout, stderr=stderr, timeout=200,
+                              env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+                              ).returncode
+    clusters.assert_no_process_left(str(job))  # at once: no worker outlives the chief
+    printed, said = out.read_text(), err.read_text()
+    assert code != 0
+    assert printed.count("process starts as") == 2, printed  # the first job's two
+    assert "first job trained on node 0" in printed and "second job" not in printed
+    chief = cluster.hosts[0].address
+    assert (f"RuntimeError: AutoDist: this process already joined a multi-node job (as node "
+            f"{chief!r}, the chief)") in said, said[-3000:]
+    assert "Start each multi-node job in a new process" in said
+    for misleading in ("did not arrive on standard input", "cannot start its TensorFlow server",
+                       "FingerprintMismatchError"):
+        assert misleading not in said, said[-3000:]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("unresolved_on", [None, 0, 1])
+def test_a_node_that_cannot_resolve_a_peers_name_says_so_at_start(two_nodes, tmp_path,
+                                                                  unresolved_on):
+    """A spec naming its nodes by host name; one node's hosts file lacks the other's."""
+    cluster, spec = two_nodes
+    named = yaml.safe_load(open(spec))
+    for node, host in zip(named["nodes"], cluster.hosts):
+        node["address"] = host.name
+    named_spec = tmp_path / "named.yml"
+    named_spec.write_text(yaml.safe_dump(named))
+    hosts_file = os.path.join(emulate.NETNS_ETC, cluster.hosts[unresolved_on or 0].namespace,
+                              "hosts")
+    original = open(hosts_file).read()
+    peer = cluster.hosts[1 - (unresolved_on or 0)]
+    if unresolved_on is not None:
+        with open(hosts_file, "w") as f:
+            f.writelines(line for line in original.splitlines(keepends=True)
+                         if peer.name not in line.split()[1:])
+    try:
+        started = time.monotonic()
+        done = _run_job(cluster, str(named_spec), "AllReduce", tmp_path / "v.npz")
+        seconds = time.monotonic() - started
+    finally:
+        with open(hosts_file, "w") as f:
+            f.write(original)
+    _assert_no_job_left()
+    if unresolved_on is None:  # the names work where they resolve
+        assert done.returncode == 0, done.stderr[-3000:]
+        _assert_trained_like_one_device(cluster, tmp_path / "v.npz", STEPS)
+        return
+    node = cluster.hosts[unresolved_on]
+    role = "the chief" if unresolved_on == 0 else "a worker"
+    assert done.returncode != 0
+    assert (f"node '{node.name}' ({role}, this machine) cannot resolve the address "
+            f"'{peer.name}' of node '{peer.name}'") in done.stderr, done.stderr[-3000:]
+    assert f"Add '{peer.name}' to this machine's /etc/hosts" in done.stderr
+    if unresolved_on == 1:  # the chief names its failed worker too
+        assert f"Worker node '{node.name}' failed" in done.stderr, done.stderr[-3000:]
+    assert "did not accept connections" not in done.stderr
+    assert seconds < 60, f"{seconds:.0f} s to name it"
+
+
 # A replicated 512 MB table, more than a 600 MB host holds beside TensorFlow itself.
 _BIG_TABLE_JOB = """
 import sys

@@ -197,3 +197,39 @@ def test_a_port_taken_by_another_job_names_its_process(monkeypatch, tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+SECOND_JOB = r"this process already joined a multi-node job \(as node 'localhost', the chief\)"
+
+
+def test_an_autodist_made_after_a_cluster_job_is_refused(tmp_path, monkeypatch, spec_path):
+    """A process runs one multi-node job (its TensorFlow server lives as long as it)."""
+    monkeypatch.setattr(runtime, "_joined_as", runtime.NodeRole("localhost", True, 0))
+    message = _refusal(_two_nodes(tmp_path), RuntimeError)
+    assert "AutoDist: " + SECOND_JOB.replace("\\", "") in message
+    assert "Start each multi-node job in a new process" in message
+    AutoDist(spec_path, AllReduce())  # one node: no server, nothing to refuse
+
+
+def test_an_autodist_made_before_a_cluster_job_is_refused_before_it_launches(tmp_path,
+                                                                            monkeypatch):
+    """Made before the first job started, the second is refused at its session, before it
+    builds a strategy (a search would run trials) or launches a worker."""
+    import tensorflow as tf
+    from autodist.cluster import launcher
+
+    class Builder(AllReduce):
+        def build(self, *args):
+            raise AssertionError("the second job built a strategy")
+
+    def launch(*args, **kwargs):
+        raise AssertionError("the second job launched a worker")
+
+    monkeypatch.setattr(launcher, "launch", launch)
+    ad = AutoDist(_two_nodes(tmp_path), Builder())
+    monkeypatch.setattr(runtime, "_joined_as", runtime.NodeRole("localhost", True, 0))
+    with tf.Graph().as_default(), ad.scope():
+        w = tf.compat.v1.get_variable("w", [2], use_resource=True)
+        tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_sum(w * w))
+        with pytest.raises(RuntimeError, match=SECOND_JOB):
+            ad.create_distributed_session()

@@ -382,7 +382,7 @@ def test_a_ctrl_c_while_the_results_are_saved_waits_until_they_are(tmp_path, mon
 def test_the_search_command_says_plainly_when_a_ctrl_c_left_nothing_to_save(
         tmp_path, monkeypatch, capsys, spec_path):
     from autodist import cli
-    from autodist.search import builder, commands
+    from autodist.search import commands
 
     class InterruptedRunner:
         def capture(self):

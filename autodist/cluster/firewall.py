@@ -52,7 +52,8 @@ def protect_tf_port(port: int, node_addresses: Sequence[str]) -> bool:
         (not root, no iptables).
 
     Raises:
-        RuntimeError: when iptables, run as root, could not set them, with its message.
+        RuntimeError: when iptables, run as root, could not set them, with its message,
+            or a node's name does not resolve.
     """
     if os.geteuid() != 0 or "iptables" not in _binaries():
         why = ("this node does not run as root" if os.geteuid() != 0
@@ -63,10 +64,11 @@ def protect_tf_port(port: int, node_addresses: Sequence[str]) -> bool:
             "this user. Run the job as root with iptables installed, or keep its nodes on a "
             "private network that only they reach.", RuntimeWarning, stacklevel=2)
         return False
+    sources = _addresses(node_addresses)
     watch, keep = os.pipe()  # ``keep`` stays open until this process ends, however it ends
     command = [sys.executable, os.path.abspath(__file__), "--port", str(port),
                "--chain", chain_name(port, os.getpid()), "--watch-fd", str(watch),
-               "--allow", ",".join(_addresses(node_addresses))]
+               "--allow", ",".join(sources)]
     guardian = subprocess.Popen(command, pass_fds=(watch,), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
     os.close(watch)
@@ -92,13 +94,20 @@ def _binaries() -> Dict[str, str]:
 
 
 def _addresses(node_addresses: Sequence[str]) -> List[str]:
-    """Every IP address the nodes' names resolve to, sorted."""
+    """Every IP address the nodes' names resolve to, sorted.
+
+    Raises:
+        RuntimeError: naming a node whose name does not resolve: leaving it out of
+            the rules would shut it out of the job.
+    """
     resolved = set()
     for address in node_addresses:
         try:
             infos = socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)
-        except OSError:
-            continue  # the job cannot reach it either
+        except OSError as err:
+            raise RuntimeError(f"AutoDist cannot admit node {address!r} to TensorFlow's port: "
+                               f"its name does not resolve here ({err.strerror or err}).") \
+                from None
         resolved.update(info[4][0].split("%")[0] for info in infos)  # no IPv6 zone
     return sorted(resolved)
 

@@ -18,13 +18,14 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import tensorflow as tf
 
 from autodist.cluster import firewall, launcher
 from autodist.cluster.service import (
-    TOKEN_ENV, ServiceError, StrategyClient, StrategyServer, WorkerFailedError, new_token)
+    TOKEN_ENV, NodeState, ServiceError, StrategyClient, StrategyServer, TrainingEnd,
+    WorkerFailedError, new_token)
 from autodist.resource_spec import ResourceSpec, ResourceSpecError
 
 WORKER_ENV = "AUTODIST_WORKER"            # this process is the worker for that node address
@@ -34,6 +35,11 @@ TF_PORT_ENV = "AUTODIST_TF_PORT"          # port of every node's TensorFlow serv
 DEFAULT_TF_PORT = 15470
 WORKER_EXIT_GRACE_S = 60.0
 CHIEF_LOST_S = 30.0                       # a worker exits once its chief is silent this long
+# How long the chief, failing because a node stopped training early, gives that node
+# (which waits to hear whether the others stopped too) to say so itself before the
+# chief stops it.
+TELL_STOPPED_S = 3.0
+_POLL_S = 0.2
 JOB = "worker"
 
 
@@ -119,10 +125,12 @@ def check_this_node(spec: ResourceSpec, role: NodeRole) -> None:
 
     On a cluster the chief must be this machine and no two nodes may be it (their
     servers would share a port); ssh keys must exist where the chief reads them.
-    A node's GPUs must exist on it.
+    A node's GPUs must exist on it. A process joins one multi-node job
+    (``check_no_job_joined``).
 
     Raises:
         ResourceSpecError: naming the node, the field and the value.
+        RuntimeError: on a cluster, when this process already joined a multi-node job.
     """
     node = spec.node(role.address)
     if node.gpus:
@@ -135,6 +143,8 @@ def check_this_node(spec: ResourceSpec, role: NodeRole) -> None:
     if len(spec.nodes) == 1:
         return
     tf_port()  # a bad AUTODIST_TF_PORT is named before anything starts
+    check_no_job_joined()
+    _check_names_resolve(spec, role)
     if not role.is_chief:
         return
     local = [address for address in spec.node_addresses if _is_this_machine(address)]
@@ -156,6 +166,58 @@ def check_this_node(spec: ResourceSpec, role: NodeRole) -> None:
                 f"Resource spec {spec.source!r}: ssh entry {entry!r} (node {address!r}) has "
                 f"key_file {key[:200]!r}, which does not exist on the chief. Fix the path or "
                 "create the key.")
+
+
+# The node this process joined a multi-node job as. A process joins one, for as long as
+# it lives (the TensorFlow server it starts does), so this is process-wide too.
+_joined_as: Optional[NodeRole] = None
+
+
+def check_no_job_joined() -> None:
+    """Refuses a second multi-node job in this process, before any of it starts.
+
+    TensorFlow cannot stop a node's server before its process ends, and every
+    worker runs the whole script: workers launched for a second job would run
+    the first job's code as well.
+
+    Raises:
+        RuntimeError: naming the node this process joined a job as, and saying to
+            start each multi-node job in a new process.
+    """
+    if _joined_as is None:
+        return
+    node = f"{_joined_as.address!r}, {'the chief' if _joined_as.is_chief else 'a worker'}"
+    raise RuntimeError(
+        f"AutoDist: this process already joined a multi-node job (as node {node}), and a "
+        "process joins one: TensorFlow cannot stop a node's server before its process ends. "
+        "Start each multi-node job in a new process, a run of the script of its own (in a "
+        "notebook, restart the kernel first).")
+
+
+def _join_job(role: NodeRole) -> None:
+    """Records that this process joins a multi-node job as ``role``, refusing a second."""
+    global _joined_as
+    check_no_job_joined()
+    _joined_as = role
+
+
+def _check_names_resolve(spec: ResourceSpec, role: NodeRole) -> None:
+    """Refuses a spec naming a node this machine cannot resolve: its port rules would leave
+    that node out, and its server could not reach it.
+
+    Raises:
+        ResourceSpecError: naming this node, the name and the fix.
+    """
+    for address in spec.node_addresses:
+        try:
+            socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)
+        except OSError as err:
+            this = "the chief" if role.is_chief else "a worker"
+            raise ResourceSpecError(
+                f"Resource spec {spec.source!r}: node {role.address!r} ({this}, this machine) "
+                f"cannot resolve the address {address!r} of node {address!r} "
+                f"({err.strerror or err}). Add {address!r} to this machine's /etc/hosts or "
+                "its DNS, or give the node's IP address in the spec.") from None
 
 
 def _is_this_machine(address: str) -> bool:
@@ -357,7 +419,12 @@ class ChiefCoordinator:
         self._process_hooks = ProcessHooks()
 
     def start(self) -> None:
-        """Serves the strategy and starts the script on every other node."""
+        """Serves the strategy and starts the script on every other node.
+
+        Raises:
+            RuntimeError: when this process already joined a multi-node job.
+        """
+        _join_job(NodeRole(self._spec.chief, True, 0))
         port = self._server.start()
         _at_exit(self.shutdown)
         self._process_hooks.install(self._stop_after_error, stop_on_sigterm=True)
@@ -391,10 +458,11 @@ class ChiefCoordinator:
         with self._lock:
             workers = list(self._workers)
         try:
+            # A worker's own report first: it says why, where its exit code tells how.
+            self._server.check_workers()
             for worker in workers:
                 if worker.exit_code() not in (None, 0):
                     raise WorkerFailedError(worker.node, worker.failure())
-            self._server.check_workers()
         except ServiceError:
             self._failed = True
             raise
@@ -420,13 +488,69 @@ class ChiefCoordinator:
         self._process_hooks.restore()
 
     def check_not_left(self, chief_steps_done: int) -> None:
-        """Raises ``NodeLeftError`` when a worker's script ended before the chief's
-        step ``chief_steps_done + 1``, which then waits for it for ever."""
+        """Raises when a worker will not run the chief's step ``chief_steps_done + 1``,
+        which then waits for it for ever.
+
+        Raises:
+            StoppedEarlyError: a callback stopped the worker's training before that step,
+                where the chief's did not stop. The worker hears it first.
+            NodeLeftError: the worker's script ended before that step.
+        """
+        chief = self._spec.chief
+        states = self._server.node_states()
+        stopped = _stopped_before(chief, states.get(chief, NodeState()).training_end,
+                                  chief_steps_done, states)
+        if stopped is not None:
+            error = StoppedEarlyError.went_on(*stopped, chief)
+            self._tell_workers(error, [node for node, state in states.items()
+                                       if state.training_end == TrainingEnd(stopped[1], True)])
+            raise error
         left = {node: steps for node, steps in self._server.finished_workers().items()
                 if steps <= chief_steps_done}
         if left:
             node = sorted(left)[0]
             raise NodeLeftError(node, left[node], chief_steps_done + 1)
+
+    def training_ended(self, steps_done: int, early: bool) -> None:
+        """The chief's training (a Keras ``fit``) ended after ``steps_done`` steps; the
+        workers learn it at their next heartbeat.
+
+        Args:
+            early: a callback stopped it. Then this returns once every worker's training
+                ended at the same step too (or its script did), so that no node waits
+                for another in the next step.
+
+        Raises:
+            StoppedEarlyError: after an early stop, naming the first worker that failed
+                (one that went on into the next step fails naming the chief).
+        """
+        chief = self._spec.chief
+        self._server.end_training(chief, TrainingEnd(steps_done, early))
+        while early:
+            try:
+                self.check_workers()
+            except WorkerFailedError as failure:
+                raise StoppedEarlyError.waited(chief, steps_done, failure.node,
+                                               failure.reason) from None
+            states = self._server.node_states()
+            if all(_stopped_at(states[node], steps_done)
+                   for node in ordered_nodes(self._spec)[1:]):
+                return
+            time.sleep(_POLL_S)
+
+    def _tell_workers(self, error: Exception, stopped: list) -> None:
+        """Tells the workers why the chief fails, and waits up to ``TELL_STOPPED_S`` for the
+        ``stopped`` ones, which wait to hear whether the others stopped training too, to
+        fail saying so: the chief's end stops them at once."""
+        self._server.publish_failure(self._spec.chief, f"{type(error).__name__}: {error}")
+        deadline = time.monotonic() + TELL_STOPPED_S
+        while time.monotonic() < deadline:
+            states = self._server.node_states()
+            with self._lock:
+                ended = {w.node for w in self._workers if w.exit_code() is not None}
+            if all(states[node].failure or node in ended for node in stopped):
+                return
+            time.sleep(_POLL_S)
 
     def stuck_nodes(self, chief_steps_done: int) -> list:
         """The nodes still in the step after the chief's ``chief_steps_done`` (chief first)."""
@@ -458,13 +582,70 @@ class NodeLeftError(RuntimeError):
             "(e.g. the same steps_per_epoch, or dataset.repeat() and take()).")
 
 
+class StoppedEarlyError(RuntimeError):
+    """A callback stopped training (``model.stop_training``) on some nodes only: the others
+    went on into a step that needs every node.
+
+    Attributes:
+        node: the node whose training stopped early.
+        steps: the training steps it ran.
+    """
+
+    def __init__(self, node: str, steps: int, detail: str):
+        self.node, self.steps = node, steps
+        super().__init__(f"AutoDist: node {node!r} stopped training early after {steps} "
+                         f"training steps (a callback set model.stop_training there){detail}")
+
+    @classmethod
+    def went_on(cls, node: str, steps: int, other: str) -> "StoppedEarlyError":
+        """The error of ``other``, which went on into the next step."""
+        return cls(node, steps,
+                   f", while node {other!r} went on into step {steps + 1}, which needs every "
+                   "node: each would wait for the other for ever. Every node must run the same "
+                   "training steps: make the callback decide the same on every node, at the "
+                   "same batch (from the epoch or batch number, or from values every node "
+                   "holds alike; a node's logs cover its own rows only), or train a fixed "
+                   "number of epochs.")
+
+    @classmethod
+    def waited(cls, node: str, steps: int, failed: str, reason: str) -> "StoppedEarlyError":
+        """The error of ``node``, which stopped and waited for the others, one of which failed."""
+        return cls(node, steps, f"; it waited for the other nodes to stop there too, but "
+                                f"node {failed!r} failed: {reason}")
+
+
+def _stopped_before(node: str, own_end: Optional[TrainingEnd], steps_done: int,
+                    states: Dict[str, NodeState]) -> Optional[Tuple[str, int]]:
+    """Another node that a callback stopped after ``steps_done`` steps or fewer, at a step
+    where ``node``'s own training did not end: it will not run ``node``'s step
+    ``steps_done + 1``. Nodes that stopped at the same step (and may train on together
+    in a later ``fit``) agree.
+
+    Returns:
+        (that node, its steps), or None.
+    """
+    for other, state in sorted(states.items()):
+        end = state.training_end
+        if (other != node and end is not None and end.early and end.steps <= steps_done
+                and (own_end is None or own_end.steps != end.steps)):
+            return other, end.steps
+    return None
+
+
+def _stopped_at(state: NodeState, steps: int) -> bool:
+    """Whether a node's training ended after ``steps`` steps too, or its script ended."""
+    return state.done or (state.training_end is not None and state.training_end.steps == steps)
+
+
 class WorkerAgent:
     """A worker's side: fetches the strategy from the chief and reports to it."""
 
     def __init__(self, role: NodeRole):
+        _join_job(role)  # before it reads a token no chief sent: a second job is named
         _die_with_launcher()
         token = launcher.read_secrets().get(TOKEN_ENV) or os.environ.get(TOKEN_ENV, "")
         self._client = StrategyClient(*role.service, token, role.address)
+        self._role = role
         self._client.start_heartbeat(on_chief_lost=_exit_orphaned, lost_after=CHIEF_LOST_S)
         _at_exit(self.close)
         self._process_hooks = ProcessHooks()
@@ -482,6 +663,47 @@ class WorkerAgent:
 
     def report_failed(self, message: str) -> None:
         self._client.report_failed(message)
+
+    def check_not_left(self, steps_done: int) -> None:
+        """Raises ``StoppedEarlyError`` when a callback stopped another node's training
+        before this worker's step ``steps_done + 1`` (as the latest heartbeat tells), at
+        a step where this worker's did not stop: the step waits for it for ever."""
+        stopped = _stopped_before(self._role.address, self._client.training_end, steps_done,
+                                  self._client.node_states)
+        if stopped is not None:
+            raise StoppedEarlyError.went_on(*stopped, self._role.address)
+
+    def training_ended(self, steps_done: int, early: bool) -> None:
+        """This worker's training (a Keras ``fit``) ended after ``steps_done`` steps; the
+        chief learns it at once, the other workers at their next heartbeat.
+
+        Args:
+            early: a callback stopped it. Then this returns once every other node's
+                training ended at the same step too (or its script did, or the chief's
+                job is over), so that no node waits for another in the next step.
+
+        Raises:
+            StoppedEarlyError: after an early stop, naming the first node that failed
+                (one that went on into the next step fails naming this worker).
+        """
+        me, chief = self._role.address, self._role.service[0]
+        self._client.training_end = TrainingEnd(steps_done, early)
+        while True:
+            try:
+                states = self._client.heartbeat()
+            except ServiceError:
+                return  # the chief's service has stopped: its job is over
+            if not early:
+                return
+            others = {node: states.get(node, NodeState())
+                      for node in sorted({chief, *states} - {me})}
+            failed = next(((node, state.failure) for node, state in others.items()
+                           if state.failure), None)
+            if failed is not None:
+                raise StoppedEarlyError.waited(me, steps_done, *failed)
+            if all(_stopped_at(state, steps_done) for state in others.values()):
+                return
+            time.sleep(_POLL_S)
 
     def _report_error(self, error: BaseException) -> None:
         """An error ends this worker: the chief learns why, if it still listens."""

@@ -5,7 +5,10 @@ spec. Each worker runs a :class:`StrategyClient` that fetches the strategy
 (sending its graph fingerprint, which must equal the chief's), reports READY
 or FAILED, and sends heartbeats while it trains. The chief waits on a barrier
 (:meth:`StrategyServer.wait_ready`) and checks for dead or hung workers
-between steps (:meth:`StrategyServer.check_workers`).
+between steps (:meth:`StrategyServer.check_workers`). A heartbeat carries where
+the worker's training ended (:class:`TrainingEnd`), and its answer what the chief
+knows of every node (:class:`NodeState`), so that every node learns within
+seconds that another stopped training early.
 
 Every call carries a per-job secret token (:func:`new_token`, made by the chief
 and handed to launched workers on their standard input as ``AUTODIST_JOB_TOKEN``,
@@ -100,6 +103,40 @@ def new_token() -> str:
     return secrets.token_hex(16)
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainingEnd:
+    """Where a node's training (a Keras ``fit``) ended.
+
+    Attributes:
+        steps: the training steps the node had finished.
+        early: a callback stopped it (``model.stop_training``).
+    """
+
+    steps: int
+    early: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeState:
+    """What the chief knows of a node, as every node sees it through the heartbeats.
+
+    Attributes:
+        training_end: where its latest training ended; None before one did.
+        done: its script ended, after ``steps_done`` training steps.
+        steps_done: its training steps, as of its latest heartbeat.
+        failure: why it failed; None unless it did.
+    """
+
+    training_end: Optional[TrainingEnd] = None
+    done: bool = False
+    steps_done: int = 0
+    failure: Optional[str] = None
+
+
+def _training_end_proto(end: Optional[TrainingEnd]) -> Optional[service_pb2.TrainingEnd]:
+    return None if end is None else service_pb2.TrainingEnd(steps=end.steps, early=end.early)
+
+
 def _join_host_port(host: str, port: int) -> str:
     if ":" in host and not host.startswith("["):  # bare IPv6 literal
         host = f"[{host}]"
@@ -112,6 +149,11 @@ class _NodeState:
     last_seen: Optional[float] = None  # monotonic time of the latest call
     failure: Optional[ServiceError] = None  # first failure; never cleared
     steps_done: int = 0  # training steps finished, as of the latest heartbeat
+    training_end: Optional[TrainingEnd] = None  # where its latest training ended
+
+    def public(self) -> NodeState:
+        return NodeState(self.training_end, self.status == _Status.DONE, self.steps_done,
+                         None if self.failure is None else str(self.failure))
 
 
 class _Registry:
@@ -120,6 +162,9 @@ class _Registry:
     def __init__(self, nodes: Sequence[str], chief_fingerprint: str, heartbeat_timeout: float):
         self.changed = threading.Condition()
         self.nodes = {node: _NodeState() for node in nodes}
+        # The serving node's own state (the chief's), told to the workers alone: its
+        # failure is not one of theirs.
+        self.own: Dict[str, _NodeState] = {}
         self._chief_fingerprint = chief_fingerprint
         self._heartbeat_timeout = heartbeat_timeout
 
@@ -141,6 +186,10 @@ class _Registry:
                 logger.error("%s", error)
             state.status = _Status.FAILED
             self.changed.notify_all()
+
+    def public_states_locked(self) -> Dict[str, NodeState]:
+        """Every worker's state and the chief's own, as the nodes see them (call under the lock)."""
+        return {node: state.public() for node, state in [*self.nodes.items(), *self.own.items()]}
 
     def first_failure_locked(self) -> Optional[ServiceError]:
         """Marks silent workers as failed, then returns the first failure (call under the lock)."""
@@ -201,8 +250,17 @@ class _Servicer(service_pb2_grpc.StrategyServiceServicer):
     def Heartbeat(self, request, context):  # noqa: N802
         node = self._known_node(request.node, context)
         with self._registry.changed:
-            self._registry.nodes[node].steps_done = request.steps_done
-        return service_pb2.Ack()
+            state = self._registry.nodes[node]
+            state.steps_done = request.steps_done
+            if request.HasField("training_end"):
+                state.training_end = TrainingEnd(request.training_end.steps,
+                                                 request.training_end.early)
+            states = self._registry.public_states_locked()
+        return service_pb2.HeartbeatResponse(nodes=[
+            service_pb2.NodeState(node=name, training_end=_training_end_proto(state.training_end),
+                                  done=state.done, steps_done=state.steps_done,
+                                  failure=state.failure or "")
+            for name, state in states.items()])
 
 
 class _TokenInterceptor(grpc.ServerInterceptor):
@@ -347,6 +405,24 @@ class StrategyServer:
         with self._registry.changed:
             return {node: state.steps_done for node, state in self._registry.nodes.items()}
 
+    def node_states(self) -> Dict[str, NodeState]:
+        """Node -> what the chief knows of it: every worker, and the chief once it has
+        told its own (:meth:`end_training`, :meth:`publish_failure`)."""
+        with self._registry.changed:
+            return self._registry.public_states_locked()
+
+    def end_training(self, node: str, end: TrainingEnd) -> None:
+        """Records where the serving node's (the chief's) training ended, for the workers."""
+        with self._registry.changed:
+            self._registry.own.setdefault(node, _NodeState()).training_end = end
+
+    def publish_failure(self, node: str, message: str) -> None:
+        """Tells the workers, at their next heartbeat, why the serving node (the chief) fails."""
+        with self._registry.changed:
+            state = self._registry.own.setdefault(node, _NodeState())
+            state.failure = ServiceError(message)
+            state.status = _Status.FAILED
+
     def finished_workers(self) -> dict:
         """Worker -> its training steps, for the workers whose script has ended normally."""
         with self._registry.changed:
@@ -418,6 +494,9 @@ class StrategyClient:
         self._stop_heartbeat = threading.Event()
         self._heartbeat: Optional[threading.Thread] = None
         self.steps_done = 0  # training steps this worker finished; heartbeats report it
+        self.training_end: Optional[TrainingEnd] = None  # heartbeats report it too
+        # What the chief knew of every node at the latest heartbeat; replaced, never changed.
+        self.node_states: Dict[str, NodeState] = {}
 
     def _error(self, err: grpc.RpcError, method: str, timeout: float) -> ServiceError:
         code, details = err.code(), err.details()
@@ -500,9 +579,29 @@ class StrategyClient:
         """
         self._end_heartbeat()
         # The steps it finished, so that the chief can tell whether it left early.
-        self._call("Heartbeat", service_pb2.HeartbeatRequest(
-            node=self._node, steps_done=self.steps_done), timeout=2.0, wait_for_ready=False)
+        self.heartbeat(timeout=2.0)
         self._report(_Status.DONE, wait_for_ready=False)
+
+    def heartbeat(self, timeout: float = 2.0) -> Dict[str, NodeState]:
+        """Sends a heartbeat now, with this worker's steps and training end.
+
+        Returns:
+            dict[str, NodeState]: what the chief knows of every node (also kept
+            as ``node_states``).
+
+        Raises:
+            ServiceError: if the chief is unreachable or refuses the call.
+        """
+        request = service_pb2.HeartbeatRequest(node=self._node, steps_done=self.steps_done,
+                                               training_end=_training_end_proto(self.training_end))
+        response = self._call("Heartbeat", request, timeout=timeout, wait_for_ready=False)
+        self.node_states = {
+            state.node: NodeState(
+                TrainingEnd(state.training_end.steps, state.training_end.early)
+                if state.HasField("training_end") else None,
+                state.done, state.steps_done, state.failure or None)
+            for state in response.nodes}
+        return self.node_states
 
     def start_heartbeat(self, interval: float = 2.0,
                         on_chief_lost: Optional[Callable[[], None]] = None,
@@ -534,9 +633,8 @@ class StrategyClient:
     def _beat(self, interval: float, on_chief_lost, lost_after: float) -> None:
         failing_since = None
         while not self._stop_heartbeat.is_set():
-            request = service_pb2.HeartbeatRequest(node=self._node, steps_done=self.steps_done)
             try:
-                self._call("Heartbeat", request, timeout=max(interval, 1.0), wait_for_ready=False)
+                self.heartbeat(timeout=max(interval, 1.0))
                 failing_since = None
             except ServiceError as err:
                 if failing_since is None and not self._stop_heartbeat.is_set():

@@ -125,7 +125,9 @@ class _FitRunner:
         self._metrics_call = None  # traced after the first step, which builds the metrics
 
     def fit(self, *args, **kwargs):
-        """``model.fit``, with a callback that copies the trained values back first."""
+        """``model.fit``, with a callback that copies the trained values back first; on a
+        cluster the other nodes then learn where its training ended
+        (``DistributedSession.training_ended``)."""
         fit = type(self._model).fit
         bound, arguments = _bind_fit(fit, self._model, args, kwargs)
         callbacks = arguments.get("callbacks")
@@ -143,7 +145,12 @@ class _FitRunner:
             arguments["callbacks"] = [sync] + callbacks
         self._in_fit, self._sync = True, sync
         try:
-            return fit(*bound.args, **bound.kwargs)
+            history = fit(*bound.args, **bound.kwargs)
+            if self._on_cluster and self._step is not None:
+                # Every node must run the same steps: a callback that stopped this node
+                # alone must be named on every node, not leave the others waiting.
+                self._step.session.training_ended(early=bool(self._model.stop_training))
+            return history
         except BaseException:
             self._copy_back_after_failure()
             raise

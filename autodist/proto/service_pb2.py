@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from autodist.proto import strategy_pb2 as autodist_dot_proto_dot_strategy__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x61utodist/proto/service.proto\x12\x0e\x61utodist.proto\x1a\x1d\x61utodist/proto/strategy.proto\"7\n\x12GetStrategyRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\"A\n\x13GetStrategyResponse\x12*\n\x08strategy\x18\x01 \x01(\x0b\x32\x18.autodist.proto.Strategy\"\xa5\x01\n\x0cStatusReport\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x33\n\x06status\x18\x02 \x01(\x0e\x32#.autodist.proto.StatusReport.Status\x12\x0f\n\x07message\x18\x03 \x01(\t\"A\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\t\n\x05READY\x10\x01\x12\n\n\x06\x46\x41ILED\x10\x02\x12\x08\n\x04\x44ONE\x10\x03\"4\n\x10HeartbeatRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x12\n\nsteps_done\x18\x02 \x01(\x03\"\x05\n\x03\x41\x63k2\xf0\x01\n\x0fStrategyService\x12V\n\x0bGetStrategy\x12\".autodist.proto.GetStrategyRequest\x1a#.autodist.proto.GetStrategyResponse\x12\x41\n\x0cReportStatus\x12\x1c.autodist.proto.StatusReport\x1a\x13.autodist.proto.Ack\x12\x42\n\tHeartbeat\x12 .autodist.proto.HeartbeatRequest\x1a\x13.autodist.proto.Ackb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x61utodist/proto/service.proto\x12\x0e\x61utodist.proto\x1a\x1d\x61utodist/proto/strategy.proto\"7\n\x12GetStrategyRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\"A\n\x13GetStrategyResponse\x12*\n\x08strategy\x18\x01 \x01(\x0b\x32\x18.autodist.proto.Strategy\"\xa5\x01\n\x0cStatusReport\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x33\n\x06status\x18\x02 \x01(\x0e\x32#.autodist.proto.StatusReport.Status\x12\x0f\n\x07message\x18\x03 \x01(\t\"A\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\t\n\x05READY\x10\x01\x12\n\n\x06\x46\x41ILED\x10\x02\x12\x08\n\x04\x44ONE\x10\x03\"g\n\x10HeartbeatRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x12\n\nsteps_done\x18\x02 \x01(\x03\x12\x31\n\x0ctraining_end\x18\x03 \x01(\x0b\x32\x1b.autodist.proto.TrainingEnd\"+\n\x0bTrainingEnd\x12\r\n\x05steps\x18\x01 \x01(\x03\x12\r\n\x05\x65\x61rly\x18\x02 \x01(\x08\"\x7f\n\tNodeState\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x31\n\x0ctraining_end\x18\x02 \x01(\x0b\x32\x1b.autodist.proto.TrainingEnd\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\x12\x12\n\nsteps_done\x18\x04 \x01(\x03\x12\x0f\n\x07\x66\x61ilure\x18\x05 \x01(\t\"=\n\x11HeartbeatResponse\x12(\n\x05nodes\x18\x01 \x03(\x0b\x32\x19.autodist.proto.NodeState\"\x05\n\x03\x41\x63k2\xfe\x01\n\x0fStrategyService\x12V\n\x0bGetStrategy\x12\".autodist.proto.GetStrategyRequest\x1a#.autodist.proto.GetStrategyResponse\x12\x41\n\x0cReportStatus\x12\x1c.autodist.proto.StatusReport\x1a\x13.autodist.proto.Ack\x12P\n\tHeartbeat\x12 .autodist.proto.HeartbeatRequest\x1a!.autodist.proto.HeartbeatResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,9 +41,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATUSREPORT_STATUS']._serialized_start=304
   _globals['_STATUSREPORT_STATUS']._serialized_end=369
   _globals['_HEARTBEATREQUEST']._serialized_start=371
-  _globals['_HEARTBEATREQUEST']._serialized_end=423
-  _globals['_ACK']._serialized_start=425
-  _globals['_ACK']._serialized_end=430
-  _globals['_STRATEGYSERVICE']._serialized_start=433
-  _globals['_STRATEGYSERVICE']._serialized_end=673
+  _globals['_HEARTBEATREQUEST']._serialized_end=474
+  _globals['_TRAININGEND']._serialized_start=476
+  _globals['_TRAININGEND']._serialized_end=519
+  _globals['_NODESTATE']._serialized_start=521
+  _globals['_NODESTATE']._serialized_end=648
+  _globals['_HEARTBEATRESPONSE']._serialized_start=650
+  _globals['_HEARTBEATRESPONSE']._serialized_end=711
+  _globals['_ACK']._serialized_start=713
+  _globals['_ACK']._serialized_end=718
+  _globals['_STRATEGYSERVICE']._serialized_start=721
+  _globals['_STRATEGYSERVICE']._serialized_end=975
 # @@protoc_insertion_point(module_scope)

@@ -47,7 +47,7 @@ class StrategyServiceStub:
         self.Heartbeat = channel.unary_unary(
                 '/autodist.proto.StrategyService/Heartbeat',
                 request_serializer=autodist_dot_proto_dot_service__pb2.HeartbeatRequest.SerializeToString,
-                response_deserializer=autodist_dot_proto_dot_service__pb2.Ack.FromString,
+                response_deserializer=autodist_dot_proto_dot_service__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
 
 
@@ -71,7 +71,9 @@ class StrategyServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
-        """Liveness signal; the chief reports a worker that stops sending them.
+        """Liveness signal; the chief reports a worker that stops sending them. Its
+        answer is what the chief knows of every node, so that a node learns
+        within seconds that another stopped training early (or failed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -93,7 +95,7 @@ def add_StrategyServiceServicer_to_server(servicer, server):
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
                     request_deserializer=autodist_dot_proto_dot_service__pb2.HeartbeatRequest.FromString,
-                    response_serializer=autodist_dot_proto_dot_service__pb2.Ack.SerializeToString,
+                    response_serializer=autodist_dot_proto_dot_service__pb2.HeartbeatResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,7 +178,7 @@ class StrategyService:
             target,
             '/autodist.proto.StrategyService/Heartbeat',
             autodist_dot_proto_dot_service__pb2.HeartbeatRequest.SerializeToString,
-            autodist_dot_proto_dot_service__pb2.Ack.FromString,
+            autodist_dot_proto_dot_service__pb2.HeartbeatResponse.FromString,
             options,
             channel_credentials,
             insecure,
