@@ -728,13 +728,13 @@ def test_a_save_cut_by_sigkill_leaves_the_previous_file_whole(spec_path, tmp_pat
     job = subprocess.Popen([sys.executable, "-c", SAVES_FOREVER, spec_path, str(path)],
                            stdout=subprocess.PIPE, text=True,
                            env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    killed_save = tmp_path / f".model.autodist-{socket.gethostname()}-{job.pid}.weights.h5"
     try:
-        assert job.stdout.readline().strip() == "saved"
-        started = time.monotonic()
-        assert job.stdout.readline().strip() == "saved"
-        seconds = time.monotonic() - started  # one save
-        assert job.stdout.readline().strip() == "saved"
-        time.sleep(seconds / 2)  # in the middle of the next one
+        assert job.stdout.readline().strip() == "saved"  # a whole file is in place
+        deadline = time.monotonic() + 60
+        while not killed_save.exists():  # the next save has begun writing aside
+            assert time.monotonic() < deadline, "no save began within 60 s"
+            time.sleep(0.001)
         job.kill()
         job.wait()
     finally:
@@ -744,7 +744,6 @@ def test_a_save_cut_by_sigkill_leaves_the_previous_file_whole(spec_path, tmp_pat
                               keras.layers.Dense(4096)])
     model.load_weights(str(path))  # whole: a cut file would not load
     assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == [path.name]
-    killed_save = tmp_path / f".model.autodist-{socket.gethostname()}-{job.pid}.weights.h5"
     assert killed_save.exists()  # the partial file of the save cut short
     assert saving.remove_stale_temporaries(str(path)) == [str(killed_save)]
 
