@@ -321,14 +321,12 @@ class AutoDist:
         runtime.wait_until_tf_servers_listen(spec, JOIN_TIMEOUT_S, check=monitor)
         ctx = self._kernel_context(item, compiled, runtime.tf_devices(spec))
         timer = self._trial.step_timer(role.is_chief)
-        if role.is_chief:
-            on_step, stuck_nodes = timer, peer.stuck_nodes
-        else:
-            def on_step():
-                peer.step_done()
-                if timer is not None:
-                    timer()
-            stuck_nodes = None
+        stuck_nodes = peer.stuck_nodes if role.is_chief else None
+
+        def on_step():
+            peer.step_done()
+            if timer is not None:
+                timer()
         session = DistributedSession(transform(item, compiled, ctx), config=node_config,
                                      target=server.target, monitor=monitor, on_step=on_step,
                                      stuck_nodes=stuck_nodes, check_not_left=peer.check_not_left,

@@ -156,6 +156,8 @@ def main() -> None:
     parser.add_argument("--die-at", type=int, default=-1, help="a worker kills itself at this step")
     parser.add_argument("--worker-steps", type=int, default=-1,
                         help="workers run this many steps (as if their data ran out)")
+    parser.add_argument("--chief-steps", type=int, default=-1,
+                        help="the chief runs this many steps (as if its data ran out)")
     parser.add_argument("--mismatch", action="store_true", help="workers build another graph")
     parser.add_argument("--restore", help="checkpoint to start from")
     parser.add_argument("--save", help="checkpoint to write after training")
@@ -210,7 +212,8 @@ def main() -> None:
         sess = ad.create_distributed_session()
         if args.restore:
             saver.restore(sess, args.restore)
-        steps = args.worker_steps if args.worker_steps >= 0 and not ad.is_chief else args.steps
+        own_steps = args.chief_steps if ad.is_chief else args.worker_steps
+        steps = own_steps if own_steps >= 0 else args.steps
         for step in range(steps):
             if step == args.die_at and not ad.is_chief:
                 print(f"node {ad.node_index} dies at {time.time():.3f}", flush=True)

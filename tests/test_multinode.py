@@ -506,17 +506,23 @@ def _rules_of_the_job(host) -> list:
 
 
 @pytest.mark.timeout(180)
-def test_a_node_that_runs_out_of_data_is_named(two_nodes, tmp_path):
-    """The worker ends after 2 steps of 6: the chief names it at once, not as a stuck step."""
+@pytest.mark.parametrize("ends_first", ["worker", "chief"])
+def test_a_node_that_runs_out_of_data_is_named(two_nodes, tmp_path, ends_first):
+    """One node's script ends after 2 steps of 6: the node waiting for it in step 3 names
+    it at once, not as a stuck step, and the job fails."""
     cluster, spec = two_nodes
     started = time.monotonic()
     done = _run_job(cluster, spec, "AllReduce", tmp_path / "v.npz", "--steps", "6",
-                    "--worker-steps", "2")
+                    f"--{ends_first}-steps", "2")
     assert done.returncode != 0
-    worker = cluster.hosts[1].address
-    assert (f"NodeLeftError: AutoDist: node '{worker}' finished its script after 2 training "
-            "steps, while the chief waits for it in step 3") in done.stderr, done.stderr[-2000:]
+    chief, worker = (host.address for host in cluster.hosts)
+    left, waiting = (worker, "the chief") if ends_first == "worker" else (chief, f"node {worker!r}")
+    assert (f"NodeLeftError: AutoDist: node '{left}' finished its script after 2 training "
+            f"steps, while {waiting} waits for it in step 3") in done.stderr, done.stderr[-2000:]
+    if ends_first == "chief":  # the chief's own output says why the job failed
+        assert "AutoDist: the chief's script ended, but" in done.stderr, done.stderr[-2000:]
     assert "StuckStepError" not in done.stderr
+    assert "has not answered" not in done.stderr
     assert time.monotonic() - started < 60  # not the stuck-step bound of the first steps
     _assert_no_job_left()
 

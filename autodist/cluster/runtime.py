@@ -411,6 +411,7 @@ class ChiefCoordinator:
         self._worker_env = dict(worker_env or {})
         self._workers = []
         self._failed = False
+        self._steps_done = 0
         self._lock = threading.Lock()
         self._token = new_token()
         worker_nodes = [a for a in ordered_nodes(spec) if a != spec.chief]
@@ -453,6 +454,11 @@ class ChiefCoordinator:
                     self._failed = True
                     raise
 
+    def step_done(self) -> None:
+        """Counts a finished training step; a worker waiting for a step the chief will not
+        run learns the count when the chief's script ends."""
+        self._steps_done += 1
+
     def check_workers(self) -> None:
         """Raises naming a worker whose process ended badly or that stopped heartbeating."""
         with self._lock:
@@ -471,14 +477,17 @@ class ChiefCoordinator:
         """Stops every worker and the service; safe to call more than once.
 
         After a normal end the workers get ``WORKER_EXIT_GRACE_S`` to finish their
-        own last steps; after an error (or Ctrl-C) they are stopped at once.
+        own last steps; a worker that fails meanwhile (one that waits for a step the
+        chief's script did not run) ends the chief's process with exit code 1, naming
+        it. After an error (or Ctrl-C) the workers are stopped at once.
         """
+        deadline = time.monotonic() + WORKER_EXIT_GRACE_S
+        failure = None if self._failed else self._workers_finished(deadline)
         with self._lock:
             workers, self._workers = self._workers, []
         # Workers stay up (their servers hold variables) until the service stops.
         self._server.stop()
-        if not self._failed:
-            deadline = time.monotonic() + WORKER_EXIT_GRACE_S
+        if not self._failed and failure is None:
             for worker in workers:
                 try:
                     worker.process.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -486,6 +495,34 @@ class ChiefCoordinator:
                     break
         launcher.stop_all(workers)
         self._process_hooks.restore()
+        if failure is not None:
+            # At interpreter exit only os._exit can still make the exit code say so.
+            sys.stderr.write(f"AutoDist: the chief's script ended, but {failure}\n")
+            sys.stderr.flush()
+            os._exit(1)
+
+    def _workers_finished(self, deadline: float) -> Optional[ServiceError]:
+        """Tells the workers the chief's script ended, after how many steps, and waits
+        until each one's script ended too (or its process did), at most until
+        ``deadline``.
+
+        Returns:
+            the first worker failure, or None.
+        """
+        chief = self._spec.chief
+        self._server.end_script(chief, self._steps_done)
+        while time.monotonic() < deadline:
+            try:
+                self.check_workers()
+            except ServiceError as failure:
+                return failure
+            states = self._server.node_states()
+            with self._lock:
+                ended = {w.node for w in self._workers if w.exit_code() is not None}
+            if all(states[node].done or node in ended for node in ordered_nodes(self._spec)[1:]):
+                return None
+            time.sleep(_POLL_S)
+        return None
 
     def check_not_left(self, chief_steps_done: int) -> None:
         """Raises when a worker will not run the chief's step ``chief_steps_done + 1``,
@@ -509,7 +546,7 @@ class ChiefCoordinator:
                 if steps <= chief_steps_done}
         if left:
             node = sorted(left)[0]
-            raise NodeLeftError(node, left[node], chief_steps_done + 1)
+            raise NodeLeftError(node, left[node], "the chief", chief_steps_done + 1)
 
     def training_ended(self, steps_done: int, early: bool) -> None:
         """The chief's training (a Keras ``fit``) ended after ``steps_done`` steps; the
@@ -565,20 +602,21 @@ class ChiefCoordinator:
 
 
 class NodeLeftError(RuntimeError):
-    """A worker's script ended while the chief still trains: the nodes ran unequal steps.
+    """A node's script ended while another still trains: the nodes ran unequal steps.
 
     Attributes:
-        node: the worker's address.
+        node: the address of the node whose script ended.
         steps: the training steps it ran.
     """
 
-    def __init__(self, node: str, steps: int, chief_step: int):
+    def __init__(self, node: str, steps: int, waiting: str, step: int):
+        """``waiting`` (e.g. "the chief") waits for ``node`` in its step ``step``."""
         self.node, self.steps = node, steps
         super().__init__(
             f"AutoDist: node {node!r} finished its script after {steps} training steps, "
-            f"while the chief waits for it in step {chief_step}: it ran out of data, or "
+            f"while {waiting} waits for it in step {step}: it ran out of data, or "
             "stopped training early (a callback setting stop_training). Every node must run "
-            "the same number of steps: give each node as many batches as the chief "
+            "the same number of steps: give every node as many batches "
             "(e.g. the same steps_per_epoch, or dataset.repeat() and take()).")
 
 
@@ -665,13 +703,22 @@ class WorkerAgent:
         self._client.report_failed(message)
 
     def check_not_left(self, steps_done: int) -> None:
-        """Raises ``StoppedEarlyError`` when a callback stopped another node's training
-        before this worker's step ``steps_done + 1`` (as the latest heartbeat tells), at
-        a step where this worker's did not stop: the step waits for it for ever."""
-        stopped = _stopped_before(self._role.address, self._client.training_end, steps_done,
+        """Raises when another node will not run this worker's step ``steps_done + 1`` (as
+        the latest heartbeat tells), which then waits for it for ever.
+
+        Raises:
+            StoppedEarlyError: a callback stopped the node's training before that step,
+                at a step where this worker's did not stop.
+            NodeLeftError: the chief's script ended before that step.
+        """
+        me, chief = self._role.address, self._role.service[0]
+        stopped = _stopped_before(me, self._client.training_end, steps_done,
                                   self._client.node_states)
         if stopped is not None:
-            raise StoppedEarlyError.went_on(*stopped, self._role.address)
+            raise StoppedEarlyError.went_on(*stopped, me)
+        chief_state = self._client.node_states.get(chief)
+        if chief_state is not None and chief_state.done and chief_state.steps_done <= steps_done:
+            raise NodeLeftError(chief, chief_state.steps_done, f"node {me!r}", steps_done + 1)
 
     def training_ended(self, steps_done: int, early: bool) -> None:
         """This worker's training (a Keras ``fit``) ended after ``steps_done`` steps; the

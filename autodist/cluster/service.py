@@ -423,6 +423,15 @@ class StrategyServer:
             state.failure = ServiceError(message)
             state.status = _Status.FAILED
 
+    def end_script(self, node: str, steps: int) -> None:
+        """Tells the workers, at their next heartbeat, that the serving node's (the
+        chief's) script ended after ``steps`` training steps."""
+        with self._registry.changed:
+            state = self._registry.own.setdefault(node, _NodeState())
+            state.steps_done = steps
+            if state.failure is None:
+                state.status = _Status.DONE
+
     def finished_workers(self) -> dict:
         """Worker -> its training steps, for the workers whose script has ended normally."""
         with self._registry.changed:
