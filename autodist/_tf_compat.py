@@ -83,6 +83,11 @@ class OptimizerCall:
         the graph, or a variable the chief initializes."""
         return {}
 
+    def update_modes(self) -> dict:
+        """Always empty: a ``tf.compat.v1`` optimizer's sparse kernels write the rows of
+        the gradient alone, and its update's writes tell (``GraphItem``)."""
+        return {}
+
     def new_update(self, translate: Callable[[object], tf.Tensor]) -> "V1Update":
         """A fresh copy of the optimizer for the distributed graph (the default graph).
 

@@ -17,6 +17,13 @@ from autodist.gradient_seeds import gradient_seeds
 from autodist.graph_defs import ancestors, data_inputs, op_name, tensor_name
 
 
+# How an optimizer's update runs on a variable with a sparse gradient
+# (``VariableInfo.update_mode``; the kinds are ``kernels/row_updates.py``'s modes).
+UPDATE_DENSE = "dense"  # on every row, as on one device
+UPDATE_BY_ROWS = "by rows"  # on the rows the step's gradient names, exactly
+UPDATE_BY_ROWS_AFTER_FIRST = "by rows after the first step"  # every row at the first
+
+
 @dataclasses.dataclass(frozen=True)
 class VariableInfo:
     """A trainable variable as the builders and kernels see it.
@@ -46,6 +53,9 @@ class VariableInfo:
             neither known, one per example (see ``rows_touched``).
         slot_bytes: bytes of its optimizer slots (Adam's two moments: twice
             its own), which live wherever its update runs.
+        update_mode: with a sparse gradient, how its update runs (``UPDATE_*``):
+            on the rows the step touched where that is exact, else dense.
+        update_note: why the update stays dense, where it could not go by rows.
     """
 
     name: str
@@ -60,6 +70,8 @@ class VariableInfo:
     rows_gathered: int = 0
     rows_gathered_per_example: int = 1
     slot_bytes: int = 0
+    update_mode: str = ""
+    update_note: str = ""
 
     def rows_touched(self, batch_size: int) -> int:
         """Rows one replica's step looks up (repeats counted, at most every row) with
@@ -352,6 +364,7 @@ class GraphItem:
         self.reads = self._variable_reads()
         ranks = self._ready_ranks()
         updates_rows = self._updated_by_rows()
+        update_modes = self._update_modes(updates_rows)
         slot_bytes = self._slot_bytes()
         self.trainable_variables = [
             VariableInfo(name=v.op.name, shape=tuple(v.shape.as_list()),
@@ -363,8 +376,12 @@ class GraphItem:
                          read_whole=(self.reads[v.op.name].whole
                                      or bool(self.reads[v.op.name].products)),
                          needs_stitching=self.reads[v.op.name].whole,
-                         updates_rows=v.op.name in updates_rows,
+                         updates_rows=(v.op.name in updates_rows
+                                       or update_modes.get(v.op.name, ("",))[0]
+                                       == UPDATE_BY_ROWS),
                          slot_bytes=slot_bytes.get(v.op.name, 0),
+                         update_mode=update_modes.get(v.op.name, ("", ""))[0],
+                         update_note=update_modes.get(v.op.name, ("", ""))[1],
                          **self._rows_gathered(self.reads[v.op.name]))
             for v in self._trainables]
         # optimizer call index -> its gradient processing, where it has one
@@ -499,6 +516,21 @@ class GraphItem:
                 writes[target].append(node.op)
         return frozenset(name for name, ops in writes.items()
                          if ops and all(op.startswith(_ROW_WRITES) for op in ops))
+
+    def _update_modes(self, updates_rows: frozenset) -> Dict[str, tuple]:
+        """Variable with a sparse gradient -> (how its update runs, why it is dense).
+
+        An optimizer call that decides (a Keras optimizer, from its traced update)
+        says; for the others the update's own writes tell: by rows when they
+        scatter (``tf.compat.v1``'s sparse kernels), else dense.
+        """
+        modes = {name: (UPDATE_BY_ROWS, "") if name in updates_rows
+                 else (UPDATE_DENSE, "its update writes every row")
+                 for name, ref in self.gradients.items() if ref.synchronized_sparse}
+        for call in self.optimizer_calls:
+            modes.update({name: mode for name, mode in call.update_modes().items()
+                          if name in modes})
+        return modes
 
     def _loss_scale_reads(self) -> frozenset:
         scales = {call.loss_scale for call in self.optimizer_calls if call.loss_scale}

@@ -46,27 +46,38 @@ class StopsInSave(keras.Model):
         return super().save_weights(filepath, *args, **kwargs)
 
 
-def build_model(model_class=keras.Model) -> keras.Model:
-    """An embedding (sparse gradient) and two dense layers, compiled with Adam."""
+def build_model(model_class=keras.Model, optimizer: str = "Adam") -> keras.Model:
+    """An embedding (sparse gradient) and two dense layers, compiled with ``optimizer``
+    (a Keras optimizer's class name) at learning rate 0.05."""
     keras.utils.set_random_seed(7)
     ids = keras.Input((3,), dtype="int32")
     x = keras.Input((5,))
     embedded = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(12, 4)(ids))
     hidden = keras.layers.Dense(6, activation="tanh")(keras.layers.Concatenate()([embedded, x]))
     model = model_class([ids, x], keras.layers.Dense(2)(hidden))
-    model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse", metrics=["mae"])
+    model.compile(optimizer=keras.optimizers.get({"class_name": optimizer,
+                                                  "config": {"learning_rate": 0.05}}),
+                  loss="mse", metrics=["mae"])
     return model
 
 
-def reference(num_replicas: int, epochs: int, stop_at: int = -1) -> tuple:
+def reference(num_replicas: int, epochs: int, stop_at: int = -1,
+              optimizer: str = "Adam") -> tuple:
     """Single-device ``fit`` on the global batches, stopped after batch ``stop_at`` of the
     first epoch if given: (weights, history)."""
+    model, history = reference_model(num_replicas, epochs, stop_at, optimizer)
+    return model.get_weights(), history.history
+
+
+def reference_model(num_replicas: int, epochs: int, stop_at: int = -1,
+                    optimizer: str = "Adam") -> tuple:
+    """As ``reference``: (the trained model, its History)."""
     ids, x, y = data(num_replicas)
-    model = build_model()
+    model = build_model(optimizer=optimizer)
     history = model.fit([ids, x], y, batch_size=ROWS_PER_REPLICA * num_replicas,
                         epochs=epochs, shuffle=False, verbose=0,
                         callbacks=[_StopAt(None, stop_at)] if stop_at >= 0 else [])
-    return model.get_weights(), history.history
+    return model, history
 
 
 class _DieAt(keras.callbacks.Callback):
@@ -112,6 +123,7 @@ def main() -> None:
     parser.add_argument("builder")
     parser.add_argument("out")
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--optimizer", default="Adam", help="a Keras optimizer's class name")
     parser.add_argument("--die-at", type=int, default=-1, help="a worker dies at this batch")
     parser.add_argument("--checkpoint", help="every node saves its weights here each epoch")
     parser.add_argument("--stop-in-save", type=int, default=0,
@@ -141,7 +153,7 @@ def main() -> None:
                            for b in range(BATCHES)])
     StopsInSave.stop_at = args.stop_in_save if ad.is_chief else 0
     with ad.scope():
-        model = build_model(StopsInSave)
+        model = build_model(StopsInSave, args.optimizer)
     callbacks = [_DieAt(args.die_at)] if args.die_at >= 0 and not ad.is_chief else []
     if str(ad.node_index) in args.stop_on.split(","):
         callbacks.append(_StopAt(ad.node_index, args.stop_at))
@@ -155,11 +167,15 @@ def main() -> None:
         + [v.path.split("/", 1)[-1] for v in model.optimizer.variables  # no "adam_1/"
            if getattr(v.value, "deferred", False)])
     print(f"node {ad.node_index} holds no value of {without_value}", flush=True)
+    modes = {v.name: v.update_mode for v in model._autodist_fit.step.session.distributed.item
+             .trainable_variables if v.update_mode}
+    print(f"node {ad.node_index} updates {modes}", flush=True)
     # Each node writes its own file: the nodes' printed lines may interleave.
     with open(f"{args.out}.history-{ad.node_index}.json", "w") as target:
         json.dump(history.history, target)
-    if ad.is_chief:
-        np.savez(args.out, *model.get_weights())
+    if ad.is_chief:  # the weights by position, the optimizer's variables by path
+        np.savez(args.out, *model.get_weights(),
+                 **{f"optimizer:{v.path}": v.numpy() for v in model.optimizer.variables})
 
 
 if __name__ == "__main__":

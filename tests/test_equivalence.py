@@ -43,6 +43,7 @@ OPTIMIZERS = {
     "momentum": lambda: tf1.train.MomentumOptimizer(0.1, momentum=0.9),
     "adam": lambda: tf1.train.AdamOptimizer(0.1),
     "adagrad": lambda: tf1.train.AdagradOptimizer(0.2),
+    "ftrl": lambda: tf1.train.FtrlOptimizer(0.2),
 }
 
 # Factories, so no two tests share a builder object.

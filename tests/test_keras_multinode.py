@@ -94,6 +94,34 @@ def test_no_node_holds_a_whole_copy_of_a_table_kept_in_parts(three_nodes, tmp_pa
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("builder, optimizer, mode", [
+    ("PartitionedPS", "Adagrad", "by rows"), ("AllReduce", "Ftrl", "by rows after the first step")])
+def test_a_table_updated_by_rows_on_a_cluster_equals_single_device_fit(
+        three_nodes, tmp_path, builder, optimizer, mode):
+    """Every node decides alike to update the table by the rows the step touched (the
+    ids repeat within and across the nodes' rows); training equals single-device fit."""
+    cluster, spec = three_nodes
+    out = tmp_path / "weights.npz"
+    done = _run_job(cluster, spec, builder, out, "--optimizer", optimizer)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for node in range(3):
+        assert f"node {node} updates {{'embedding/embeddings': '{mode}'}}" in done.stdout, \
+            done.stdout
+    want, _ = keras_cluster_job.reference_model(sum(h.num_cpus for h in cluster.hosts),
+                                                EPOCHS, optimizer=optimizer)
+    got = np.load(out)
+    for i, expected in enumerate(want.get_weights()):
+        np.testing.assert_allclose(got[f"arr_{i}"], expected, rtol=1e-5, atol=1e-5)
+    slots = {v.path: v.numpy() for v in want.optimizer.variables}
+    assert sorted(slots) == sorted(k.split(":", 1)[1] for k in got if k.startswith("optimizer:"))
+    assert len(slots) > 4  # the iteration count and a slot or two per variable
+    for path, expected in slots.items():
+        np.testing.assert_allclose(got[f"optimizer:{path}"], expected, rtol=1e-5, atol=1e-5,
+                                   err_msg=path)
+    _assert_no_job_left()
+
+
+@pytest.mark.timeout(240)
 def test_a_worker_killed_mid_fit_is_reported_by_name(two_nodes, tmp_path):
     cluster, spec = two_nodes
     done = _run_job(cluster, spec, "AllReduce", tmp_path / "w.npz", "--die-at", "1")

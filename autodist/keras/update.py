@@ -31,14 +31,25 @@ import tensorflow as tf
 
 from autodist._tf_compat import eager_snapshot
 from autodist.graph_defs import ancestors
-from autodist.graph_item import (RESOURCE_WRITES, PartUpdate, op_name, tensor_name,
+from autodist.graph_item import (RESOURCE_WRITES, UPDATE_BY_ROWS, UPDATE_BY_ROWS_AFTER_FIRST,
+                                 UPDATE_DENSE, PartUpdate, op_name, tensor_name,
                                  through_identities)
 from autodist.kernels import partitioner
+from autodist.kernels.row_updates import UPDATE_MODES, DenseUpdate, RowUpdate, UpdateMode
+from autodist.partition import PartitionPlan
 
 # Ops whose result on a part of a variable is not that part of their result on it.
 _NOT_ELEMENTWISE = ("Sum", "Mean", "Max", "Min", "Prod", "EuclideanNorm", "MatMul",
                     "BatchMatMulV2", "Transpose", "Reshape", "ArgMax", "ArgMin", "Cumsum",
                     "Einsum", "Tile", "Reverse", "ReverseV2")
+
+# The check of ``KerasOptimizerCall.update_modes``: a sample part of a table, the rows
+# a gradient names in it (one twice: rows 2, 4 and 5 have none), and an iteration
+# far from the first (bias corrections, schedules).
+_SAMPLE_ROWS = 6
+_SAMPLE_IDS = (0, 1, 1, 3)
+_UNTOUCHED = np.array([2, 4, 5])
+_LATE_ITERATION = 1000
 
 _COMBINES = ("combines the gradients of several variables (global_clipnorm, a "
              "LossScaleOptimizer's finite check)")
@@ -143,6 +154,7 @@ class KerasOptimizerCall:
         self.update_graph_def = _split_identity_n(_subgraph(graph.as_graph_def(), update_ops))
         self.nodes = {node.name: node for node in self.update_graph_def.node}
         self.stages = self._cut()
+        self._update_modes = None
 
     @property
     def raw_gradients(self) -> dict:
@@ -175,6 +187,31 @@ class KerasOptimizerCall:
         """A fresh copy of the optimizer's state and update for the default graph."""
         del translate  # the update reads only its own state and the gradients
         return KerasUpdate(self)
+
+    @functools.cached_property
+    def iteration_key(self) -> Optional[str]:
+        """The optimizer's iteration count among its non-slot state (its one integer
+        scalar), or None."""
+        counts = [key for key in self.stages.non_slots
+                  if not isinstance(self.state_values[key], GraphInitialValue)
+                  and np.issubdtype(self.state_values[key]().dtype, np.integer)]
+        return counts[0] if len(counts) == 1 else None
+
+    def update_modes(self) -> dict:
+        """Variable with a sparse gradient -> (how its update runs on each stored copy,
+        why it stays dense): by rows where the traced update leaves a row without
+        gradient, and its slots, as they are, as its run on sample rows shows
+        (``_SampleRowsCheck``). Decided once."""
+        if self._update_modes is None:
+            sparse = sorted({owner for owner, key, _ in self.gradient_tensors.values()
+                             if key == "indices"})
+            self._update_modes = _SampleRowsCheck(self, sparse).modes() if sparse else {}
+        return self._update_modes
+
+    def mode_of(self, update: PartUpdate) -> UpdateMode:
+        """How ``update``'s copy runs its update: a shard of a flattened part runs dense."""
+        name = self.update_modes().get(update.name, (UPDATE_DENSE,))[0]
+        return UPDATE_MODES[UPDATE_DENSE if update.shard is not None else name]
 
     def _writes(self, names) -> list:
         return [n for n in names if self.nodes[n].op in RESOURCE_WRITES]
@@ -240,6 +277,7 @@ class KerasUpdate:
         self._slots = {}      # (stored copy name, slot key) -> variable
         self._non_slots = {}  # key -> variable
         self.initial_values = {}
+        self.stand_ins = []  # of the model's variables, in ``apply_alone``
 
     def slot(self, copy: tf.Variable, key: str) -> Optional[tf.Variable]:
         """The slot ``key`` of the stored copy ``copy``, or None."""
@@ -268,7 +306,8 @@ class KerasUpdate:
             state_handles = {key: v.handle for key, v in self._non_slots.items()}
             common = self._import(stages.common, self._common_inputs(updates, state_handles),
                                   "keras_update/common")
-        per_variable = [self._apply_part(update, common, state_handles) for update in updates]
+        per_variable = [self._apply_part(update, common, state_handles, call.mode_of(update))
+                        for update in updates]
 
         def no_gradient(name):
             raise NotImplementedError(
@@ -283,7 +322,8 @@ class KerasUpdate:
         finish = tf.group(*per_variable, *self._writes(rest))
         return finish, per_variable
 
-    def _apply_part(self, update: PartUpdate, common: dict, state_handles: dict) -> tf.Operation:
+    def _apply_part(self, update: PartUpdate, common: dict, state_handles: dict,
+                    mode: UpdateMode) -> tf.Operation:
         call, stages = self._call, self._call.stages
         ops = stages.per_variable[update.name]
         if update.plan is not None or update.shard is not None:
@@ -293,14 +333,22 @@ class KerasUpdate:
                     f"AutoDist cannot cut '{update.name}' under {call.optimizer_name}: "
                     f"its update is not elementwise (it uses {', '.join(reducing)}); use a "
                     "strategy that keeps the variable whole.")
-        handles = dict(state_handles)
+        return self._import_part(update, common, state_handles, mode)
+
+    def _import_part(self, update: PartUpdate, common: dict, state_handles: dict,
+                     mode: UpdateMode) -> tf.Operation:
+        """Imports the per-variable stage for ``update``'s copy, run as ``mode`` says."""
+        call, stages = self._call, self._call.stages
+        ops = stages.per_variable[update.name]
         with tf.device(update.variable.device):
+            state = {update.name: update.variable}
             for key in stages.slots[update.name]:
                 slot = _state_variable(call.state_values[key], f"{update.variable.op.name}/{key}",
                                        self.initial_values, update)
                 self._slots[(update.variable.name, key)] = slot
-                handles[key] = slot.handle
-            handles[update.name] = update.variable.handle
+                state[key] = slot
+            view = mode.view(state, update.gradient, self._non_slots.get(call.iteration_key))
+            handles = {**state_handles, **view.handles}
 
             def gradient(name):
                 owner, key, dtype = call.gradient_tensors[name]
@@ -308,7 +356,7 @@ class KerasUpdate:
                     raise NotImplementedError(
                         f"{call.optimizer_name}'s update of '{update.name}' reads the "
                         f"gradient of '{owner}'; AutoDist cannot rewrite that update.")
-                return _component(update.gradient, key, dtype, update.variable)
+                return _component(view.gradient, key, dtype, update.variable)
 
             inputs = self._inputs(ops, gradient, handles, common)
             # The traced step writes the variable after the forward pass has read it;
@@ -316,12 +364,53 @@ class KerasUpdate:
             # that do not read the gradient (AdamW's weight decay) would otherwise race
             # the replicas' reads: the stage waits for the mean gradient, which the
             # replicas compute from what they read. It also waits for the common
-            # stage's writes, whose state it may read (Nadam's momentum product).
+            # stage's writes, whose state it may read (Nadam's momentum product), and
+            # for the mode's gathering of rows.
             with tf.control_dependencies(
                     tf.nest.flatten(update.gradient, expand_composites=True)
-                    + self._writes(common)):
+                    + self._writes(common) + view.ready):
                 writes = self._import(ops, inputs, f"keras_update/{update.variable.op.name}")
-        return tf.group(*self._writes(writes))
+        return view.finish(self._writes(writes))
+
+    def apply_alone(self, update: PartUpdate, mode: UpdateMode) -> tf.Operation:
+        """Updates ``update``'s copy alone, as ``mode`` says, with the other variables'
+        gradients zero where the common stage reads them: the sample run of
+        ``_SampleRowsCheck``. The iteration count is left as it is."""
+        call, stages = self._call, self._call.stages
+        for key in stages.non_slots:
+            self._non_slots[key] = _state_variable(call.state_values[key], f"{key}/copy",
+                                                   self.initial_values)
+        state_handles = {key: v.handle for key, v in self._non_slots.items()}
+        read = {op_name(i) for op in stages.per_variable[update.name]
+                for i in call.nodes[op].input} & stages.common
+        needed = frozenset(ancestors(call.nodes, read, control=True)) & stages.common
+        # A variable of the model the update reads (a LossScaleOptimizer's scale) is
+        # not in this graph: one starting at 1 stands in.
+        for source in {op_name(i) for op in needed | stages.per_variable[update.name]
+                       for i in call.nodes[op].input if not i.startswith("^")}:
+            if (source not in call.nodes and source not in call.state_values
+                    and source not in call.variable_names
+                    and call.graph.get_operation_by_name(source).type == "VarHandleOp"):
+                original = call.graph.get_operation_by_name(source)
+                stand_in = tf.Variable(tf.ones(original.get_attr("shape"),
+                                               original.get_attr("dtype")), trainable=False)
+                self.stand_ins.append(stand_in)
+                state_handles[source] = stand_in.handle
+        shapes = {v.op.name: v.shape.as_list() for _, v in call.grads_and_vars}
+
+        def gradient(name):
+            owner, key, dtype = call.gradient_tensors[name]
+            if owner == update.name:
+                return _component(update.gradient, key, dtype, update.variable)
+            shape = shapes[owner]
+            return {"dense": lambda: tf.zeros(shape, dtype),
+                    "values": lambda: tf.zeros([0, *shape[1:]], dtype),
+                    "indices": lambda: tf.zeros([0], dtype),
+                    "dense_shape": lambda: tf.constant(shape, dtype)}[key]()
+
+        common = self._import(needed, self._inputs(needed, gradient, state_handles, {}),
+                              "keras_update/common")
+        return self._import_part(update, common, state_handles, mode)
 
     def _common_inputs(self, updates: list, state_handles: dict) -> dict:
         call = self._call
@@ -401,6 +490,149 @@ class KerasUpdate:
         """The write ops among an imported stage's ops."""
         return [op for name, op in imported.items()
                 if self._call.nodes[name].op in RESOURCE_WRITES]
+
+
+class _SampleRowsCheck:
+    """Decides how the update of each variable with a sparse gradient runs, from the
+    traced update run on sample rows.
+
+    Per variable: its first ``_SAMPLE_ROWS`` rows (random values), its slots' starting
+    rows and the optimizer's real non-slot state, held twice: one copy updated dense,
+    one by rows. A gradient names rows ``_SAMPLE_IDS``; the rows it does not name must
+    stay bitwise as they were, and finite, in the table and every slot, and the copy
+    updated by rows must equal the dense one bitwise. Both from the starting state and
+    from the state two updates of every row reached (Adam's zero moments decay to zero:
+    only a reached state shows them move), at the first iteration and a late one.
+
+    Outcome: by rows where everything holds; by rows after the first step where only
+    the first step moves untouched rows (Keras's FTRL); else dense.
+    """
+
+    def __init__(self, call: KerasOptimizerCall, names: list):
+        self._call, self._names = call, names
+
+    def modes(self) -> dict:
+        """Variable name -> (update mode, why it is dense)."""
+        modes, samples, feeds = {}, {}, {}
+        graph = tf.Graph()
+        with graph.as_default():
+            for name in self._names:
+                try:
+                    samples[name] = _Sample(self._call, name, feeds)
+                except (NotImplementedError, ValueError, TypeError, KeyError) as err:
+                    # KeyError: the update reads a tensor of the model (a loss scale).
+                    modes[name] = (UPDATE_DENSE, _cannot_sample(err))
+            # Only the samples built whole: a failed one may lack its starting values.
+            initialize = tf.compat.v1.variables_initializer(
+                [v for sample in samples.values() for v in sample.variables])
+        with tf.compat.v1.Session(graph=graph) as session:
+            session.run(initialize, {name: value() for name, value in feeds.items()})
+            for name, sample in samples.items():
+                try:
+                    modes[name] = sample.decide(session)
+                except tf.errors.OpError as err:
+                    modes[name] = (UPDATE_DENSE, _cannot_sample(err))
+        return modes
+
+
+class _Sample:
+    """One variable's sample rows, updated dense and by rows (see ``_SampleRowsCheck``)."""
+
+    def __init__(self, call: KerasOptimizerCall, name: str, feeds: dict):
+        variable = next(v for _, v in call.grads_and_vars if v.op.name == name)
+        shape = variable.shape.as_list()
+        if None in shape or shape[0] < _SAMPLE_ROWS:
+            raise ValueError(f"it has fewer than {_SAMPLE_ROWS} rows")
+        self._call = call
+        self._dtype = variable.dtype.base_dtype
+        self._ids = tf.compat.v1.placeholder(tf.int64, [None])
+        self._values = tf.compat.v1.placeholder(self._dtype, [None, *shape[1:]])
+        gradient = tf.IndexedSlices(self._values, self._ids,
+                                    tf.constant([_SAMPLE_ROWS, *shape[1:]], tf.int64))
+        plan = PartitionPlan(0, (_SAMPLE_ROWS, shape[0] - _SAMPLE_ROWS), tuple(shape))
+        self._copies = []
+        for mode in (DenseUpdate(), RowUpdate()):
+            update = KerasUpdate(call)
+            table = tf.Variable(tf.zeros([_SAMPLE_ROWS, *shape[1:]], self._dtype),
+                                name=f"{name}/sample")
+            finish = update.apply_alone(PartUpdate(gradient, table, name, 0, plan), mode)
+            feeds.update(update.initial_values)
+            state = ([table] + [update.slot(table, key) for key in call.stages.slots[name]]
+                     + [update.non_slot_variables(tf.compat.v1.get_default_graph())[key]
+                        for key in call.stages.non_slots])
+            self._copies.append(_SampleCopy(state, finish, update.stand_ins))
+        self.variables = [v for copy in self._copies for v in copy.variables + copy.stand_ins]
+        self._rows_like = [i for i, v in enumerate(self._copies[0].variables)
+                           if v.shape.rank and v.shape[0] == _SAMPLE_ROWS]
+        iteration = call.iteration_key
+        self._iteration = (None if iteration is None else
+                           1 + len(call.stages.slots[name]) + call.stages.non_slots.index(iteration))
+
+    def decide(self, session: tf.compat.v1.Session) -> tuple:
+        """(update mode, why it is dense), from runs of both copies in ``session``."""
+        rng = np.random.default_rng(0)
+        dense, rows = self._copies
+
+        def gradient(ids):
+            values = rng.normal(size=(len(ids), *self._values.shape[1:]))
+            return {self._ids: np.array(ids),
+                    self._values: values.astype(self._dtype.as_numpy_dtype)}
+
+        start = dense.read(session)
+        start[0] = (0.5 * rng.normal(size=start[0].shape)).astype(start[0].dtype)
+        dense.write(session, start)
+        for _ in range(2):
+            session.run(dense.finish, gradient(range(_SAMPLE_ROWS)))
+        reached = dense.read(session)
+        iterations = (None,) if self._iteration is None else (0, _LATE_ITERATION)
+        outcome = {}  # (state, iteration) -> (untouched rows moved, by rows == dense)
+        for label, state in (("start", start), ("reached", reached)):
+            for iteration in iterations:
+                if iteration is not None:
+                    state = list(state)
+                    state[self._iteration] = np.array(iteration, state[self._iteration].dtype)
+                dense.write(session, state)
+                rows.write(session, state)
+                session.run([dense.finish, rows.finish], gradient(_SAMPLE_IDS))
+                after, by_rows = dense.read(session), rows.read(session)
+                moved = any(not np.array_equal(after[i][_UNTOUCHED], state[i][_UNTOUCHED])
+                            or not np.isfinite(after[i]).all() for i in self._rows_like)
+                same = all(np.array_equal(after[i], by_rows[i]) for i in self._rows_like)
+                outcome[label, iteration] = (moved, same)
+        if all(not moved and same for moved, same in outcome.values()):
+            return UPDATE_BY_ROWS, ""
+        if self._iteration is not None and all(outcome["reached", iteration] == (False, True)
+                                               for iteration in iterations):
+            return UPDATE_BY_ROWS_AFTER_FIRST, ""
+        if any(moved for moved, _ in outcome.values()):
+            return UPDATE_DENSE, (f"{self._call.optimizer_name}'s update changes rows that have "
+                                  "no gradient: moments that decay, or weight decay")
+        return UPDATE_DENSE, (f"{self._call.optimizer_name}'s update of the touched rows "
+                              "alone differs from its update of the whole table")
+
+
+class _SampleCopy:
+    """A copy of a sample's state (table, slots, non-slot state) and its update."""
+
+    def __init__(self, variables: list, finish: tf.Operation, stand_ins: list):
+        self.variables, self.finish, self.stand_ins = variables, finish, stand_ins
+        self._feeds = [tf.compat.v1.placeholder(v.dtype.base_dtype, v.shape) for v in variables]
+        self._assign = tf.group(*[v.assign(f) for v, f in zip(variables, self._feeds)])
+        self._reads = [v.read_value() for v in variables]
+
+    def read(self, session) -> list:
+        return session.run(self._reads)
+
+    def write(self, session, values: list) -> None:
+        session.run(self._assign, dict(zip(self._feeds, values)))
+
+
+def _cannot_sample(error: Exception) -> str:
+    # An OpError's cause is its last line of its own (after the stack, before [[node]]).
+    lines = [line for line in str(error).splitlines() if line.strip()
+             and not line.startswith((" ", "\t", "[[")) and not line.rstrip().endswith(":")]
+    message = lines[-1] if lines else ""
+    return f"its update could not run on sample rows ({type(error).__name__}: {message[:200]})"
 
 
 def _state_variable(value_of, name: str, feeds: dict,

@@ -44,7 +44,9 @@ The prediction is a linear combination of a few named components, each a
   cluster): the optimizer's update runs where a variable lives, on its server
   for PS and on every node for AllReduce (each node keeps a copy), so it costs
   CPU time that PS placement can spread over the nodes and AllReduce cannot.
-  On one node every strategy updates every variable there, so it is left out.
+  A table whose update runs by rows (``VariableInfo.update_mode``) counts the
+  rows its gradients touch, not its every row. On one node every strategy
+  updates every variable there, so it is left out.
 * ``overlap`` (seconds at nominal bandwidth, a negative weight): the transfer
   of a dense all-reduce group that can run while the backward pass computes
   the gradients after its own: its transfer time times the share of gradients
@@ -352,7 +354,8 @@ def _interleave(index: np.ndarray, *charges: Tuple[str, _Column, _Column]) -> _C
 
 def _update_charges(parts: SyncParts, of_kind: list, cluster: ClusterView
                     ) -> Tuple[float, _Charged]:
-    """The optimizer-update feature: GB of variable parts the busiest node updates.
+    """The optimizer-update feature: GB of variable parts the busiest node updates (of
+    a part updated by rows, the rows its gradients touch).
 
     Each kind says which share of its parts each node updates
     (``SynchronizerKind.update_shares``); the parts updated on the busiest node
@@ -368,7 +371,10 @@ def _update_charges(parts: SyncParts, of_kind: list, cluster: ClusterView
             shares[:, index] = kind.update_shares(parts, index, nodes,
                                                   server_node[parts.server[index]], cluster)
     updated = np.flatnonzero(parts.has_grad)
-    gigabytes = parts.value_bytes[updated] / 1e9
+    # An update by rows runs on the rows the replicas' gradients touch, at most the part.
+    by_rows = np.minimum(parts.value_bytes, parts.grad_bytes * cluster.num_replicas)
+    gigabytes = np.where(parts.updated_by_rows & parts.sparse, by_rows,
+                         parts.value_bytes)[updated] / 1e9
     shares = shares[:, updated]
     busiest = int(np.argmax(shares @ gigabytes))
     charged = shares[busiest] > 0

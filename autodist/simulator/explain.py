@@ -66,7 +66,8 @@ def format_breakdown(breakdown: CostBreakdown, top: Optional[int] = 20) -> str:
 
 def format_rows_touched(variables: Iterable, batch_size: int) -> str:
     """Says, per variable with a sparse gradient, how many rows the cost model takes
-    one replica's step to touch (its gradient's rows and, unless read whole, its reads).
+    one replica's step to touch (its gradient's rows and, unless read whole, its reads),
+    and how its optimizer update runs (by those rows, or on every row, and why).
 
     Args:
         variables: ``VariableInfo`` objects.
@@ -83,8 +84,11 @@ def format_rows_touched(variables: Iterable, batch_size: int) -> str:
                  if info.rows_gathered_per_example else [])
         terms += [f"{info.rows_gathered} fixed"] if info.rows_gathered else []
         read = "read whole" if info.read_whole else "read by rows"
+        update = f"updated {info.update_mode}" if info.update_mode else ""
+        update += f" ({info.update_note})" if info.update_note else ""
         lines.append(f"  {info.name}: {info.rows_touched(batch_size):,} of {int(info.shape[0]):,} "
-                     f"rows ({' + '.join(terms)}); {read}")
+                     f"rows ({' + '.join(terms)}); {'; '.join(filter(None, [read, update]))}")
     if not lines:
         return ""
-    return "\n".join(["Rows one replica's step touches (from the gathers' ids):"] + lines) + "\n"
+    return "\n".join(["Rows one replica's step touches (from the gathers' ids), and how "
+                      "each table's optimizer update runs:"] + lines) + "\n"

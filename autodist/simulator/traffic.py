@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Mapping, Sequence, Tuple
 import numpy as np
 
 from autodist import partition
+from autodist.graph_item import UPDATE_BY_ROWS, UPDATE_BY_ROWS_AFTER_FIRST
 from autodist.network import node_of
 from autodist.strategy.compiler import check_configs_match, synchronizer_kind
 from autodist.synchronizers import KINDS
@@ -96,6 +97,8 @@ class SyncParts:
             only rows of it (``VariableInfo.read_whole``).
         updates_rows: its variable's update writes only the rows of its sparse
             gradient (``VariableInfo.updates_rows``).
+        updated_by_rows: its variable's optimizer update runs on the rows of its
+            sparse gradient, not on every row (``VariableInfo.update_mode``).
     """
 
     variables: List[str]
@@ -120,6 +123,7 @@ class SyncParts:
     ready_rank: np.ndarray
     read_whole: np.ndarray
     updates_rows: np.ndarray
+    updated_by_rows: np.ndarray
 
     def of_kind(self, kind) -> np.ndarray:
         """The indices of the parts of ``kind`` (a class of the registry)."""
@@ -163,8 +167,9 @@ def _columns(infos: List[Any], names: List[str], records: List[tuple],
     """
     table = np.array(records, dtype=np.float64).reshape(len(records), _RECORD)
     row = table[:, 0].astype(np.intp)
-    flags = np.array([(info.has_grad, info.sparse_grad, info.read_whole, info.updates_rows)
-                      for info in infos], dtype=bool).reshape(len(infos), 4)[row]
+    flags = np.array([(info.has_grad, info.sparse_grad, info.read_whole, info.updates_rows,
+                       info.update_mode in (UPDATE_BY_ROWS, UPDATE_BY_ROWS_AFTER_FIRST))
+                      for info in infos], dtype=bool).reshape(len(infos), 5)[row]
     ready_rank = np.array([info.ready_rank for info in infos], dtype=np.int64)[row]
     _, dtype = np.unique([info.dtype for info in infos], return_inverse=True)
     servers = list(dict.fromkeys(map(node_of, devices)))  # a node's devices share its NIC
@@ -176,7 +181,7 @@ def _columns(infos: List[Any], names: List[str], records: List[tuple],
                      server, table[:, 6] != 0, table[:, 7].astype(np.int64), table[:, 8] != 0,
                      table[:, 9].astype(np.int64), table[:, 10].astype(np.int64), dtype[row],
                      table[:, 11] != 0, table[:, 12] != 0, ready_rank, flags[:, 2],
-                     flags[:, 3])
+                     flags[:, 3], flags[:, 4])
 
 
 def sync_parts(strategy: Any, variables: Sequence[Any], batch_size: int,
