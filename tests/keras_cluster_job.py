@@ -173,9 +173,9 @@ def main() -> None:
     # Each node writes its own file: the nodes' printed lines may interleave.
     with open(f"{args.out}.history-{ad.node_index}.json", "w") as target:
         json.dump(history.history, target)
-    if ad.is_chief:  # the weights by position, the optimizer's variables by path
+    if ad.is_chief:  # the weights, then the optimizer's variables, in their own orders
         np.savez(args.out, *model.get_weights(),
-                 **{f"optimizer:{v.path}": v.numpy() for v in model.optimizer.variables})
+                 **{f"optimizer_{i}": v.numpy() for i, v in enumerate(model.optimizer.variables)})
 
 
 if __name__ == "__main__":

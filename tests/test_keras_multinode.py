@@ -57,7 +57,7 @@ def test_fit_on_a_cluster_equals_single_device_fit(request, tmp_path, cluster_na
     num_replicas = sum(h.num_cpus for h in cluster.hosts)
     want, history = keras_cluster_job.reference(num_replicas, EPOCHS)
     got = np.load(out)
-    assert len(got.files) == len(want)
+    assert len([name for name in got.files if name.startswith("arr_")]) == len(want)
     for i, expected in enumerate(want):
         np.testing.assert_allclose(got[f"arr_{i}"], expected, rtol=1e-5, atol=1e-5)
     # Every node fitted; each logs the loss of its own rows, which average to
@@ -112,12 +112,11 @@ def test_a_table_updated_by_rows_on_a_cluster_equals_single_device_fit(
     got = np.load(out)
     for i, expected in enumerate(want.get_weights()):
         np.testing.assert_allclose(got[f"arr_{i}"], expected, rtol=1e-5, atol=1e-5)
-    slots = {v.path: v.numpy() for v in want.optimizer.variables}
-    assert sorted(slots) == sorted(k.split(":", 1)[1] for k in got if k.startswith("optimizer:"))
-    assert len(slots) > 4  # the iteration count and a slot or two per variable
-    for path, expected in slots.items():
-        np.testing.assert_allclose(got[f"optimizer:{path}"], expected, rtol=1e-5, atol=1e-5,
-                                   err_msg=path)
+    slots = want.optimizer.variables  # the iteration count and a slot or two per variable
+    assert len(slots) == len([name for name in got.files if name.startswith("optimizer_")]) > 4
+    for i, expected in enumerate(slots):
+        np.testing.assert_allclose(got[f"optimizer_{i}"], expected.numpy(), rtol=1e-5, atol=1e-5,
+                                   err_msg=expected.path)
     _assert_no_job_left()
 
 
