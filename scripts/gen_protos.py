@@ -24,6 +24,7 @@ PROTO_DIR = REPO_ROOT / "proto"
 # The .proto files import each other as "autodist/proto/<name>.proto", so the
 # source directory is mapped onto that virtual path for protoc.
 VIRTUAL_PROTO_PATH = "autodist/proto"
+GRPC_FLOOR = "1.85.0"  # setup.py's grpcio floor
 _COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.DOTALL)
 _SERVICE = re.compile(r"^\s*service\s+\w+\s*\{", re.MULTILINE)
 
@@ -114,7 +115,22 @@ def generate(out_dir: pathlib.Path = REPO_ROOT,
     if with_service:
         _run_protoc([*base, f"--grpc_python_out={out_dir}", *with_service])
     gen_dir = out_dir / VIRTUAL_PROTO_PATH
+    for stub in gen_dir.glob("*_pb2_grpc.py"):
+        _pin_grpc_version(stub)
     return [gen_dir / name for name in module_names(proto_dir)]
+
+
+def _pin_grpc_version(stub: pathlib.Path) -> None:
+    """Writes ``GRPC_FLOOR`` as the stub's generated version: the stub asks grpcio for at
+    least that version, and the checked-in modules do not change with grpcio-tools'
+    patch releases (``tests/test_protos_in_sync.py`` regenerates them with whatever
+    is installed)."""
+    text, count = re.subn(r"^GRPC_GENERATED_VERSION = '[^']*'$",
+                          f"GRPC_GENERATED_VERSION = '{GRPC_FLOOR}'", stub.read_text(),
+                          flags=re.MULTILINE)
+    if count != 1:
+        raise RuntimeError(f"{stub} has no GRPC_GENERATED_VERSION line to pin")
+    stub.write_text(text)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

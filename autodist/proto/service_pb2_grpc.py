@@ -5,7 +5,7 @@ import warnings
 
 from autodist.proto import service_pb2 as autodist_dot_proto_dot_service__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
