@@ -40,9 +40,12 @@ class OptimizerCall:
             some of them is not what this call applies (the user processed it
             in between, e.g. clipped it); else empty.
         loss_scale: always None (a graph's loss scale is the user's own arithmetic).
+        lazy_refusal: why its update cannot run lazily by rows (``lazy_row_update``).
     """
 
     loss_scale = None
+    lazy_refusal = ("its optimizer is a tf.compat.v1 one, whose own sparse kernels AutoDist "
+                    "runs as they are (use a Keras optimizer, or tf.compat.v1's dense update)")
     graph: tf.Graph
     optimizer: _V1Optimizer
     grads_and_vars: list

@@ -22,6 +22,9 @@ from autodist.graph_defs import ancestors, data_inputs, op_name, tensor_name
 UPDATE_DENSE = "dense"  # on every row, as on one device
 UPDATE_BY_ROWS = "by rows"  # on the rows the step's gradient names, exactly
 UPDATE_BY_ROWS_AFTER_FIRST = "by rows after the first step"  # every row at the first
+UPDATE_BY_ROWS_LAZY = "by rows, lazy"  # by rows, as asked, where that is not exact
+UPDATES_BY_ROWS = frozenset({UPDATE_BY_ROWS, UPDATE_BY_ROWS_AFTER_FIRST, UPDATE_BY_ROWS_LAZY})
+"""The modes that run the update on the touched rows alone (after the first step)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +57,12 @@ class VariableInfo:
         slot_bytes: bytes of its optimizer slots (Adam's two moments: twice
             its own), which live wherever its update runs.
         update_mode: with a sparse gradient, how its update runs (``UPDATE_*``):
-            on the rows the step touched where that is exact, else dense.
-        update_note: why the update stays dense, where it could not go by rows.
+            on the rows the step touched where that is exact, else dense (or,
+            where the strategy asks, lazily by rows: ``compile_strategy``).
+        update_note: why the update stays dense, where it could not go by rows
+            (and, for a lazy one, what that changes).
+        lazy_refusal: with a sparse gradient, why its update cannot run lazily by
+            rows (``lazy_row_update``), or empty.
     """
 
     name: str
@@ -72,6 +79,7 @@ class VariableInfo:
     slot_bytes: int = 0
     update_mode: str = ""
     update_note: str = ""
+    lazy_refusal: str = ""
 
     def rows_touched(self, batch_size: int) -> int:
         """Rows one replica's step looks up (repeats counted, at most every row) with
@@ -115,6 +123,8 @@ class PartUpdate:
         shard: ``(offset, size)``: the copy holds ``size`` elements of the
             flattened part from ``offset`` on (the last shard padded with zeros
             past the part's end), or None when it holds the whole part.
+        update_mode: how its update runs (``VariableInfo.update_mode`` as the
+            strategy compiled it); empty: dense.
     """
 
     gradient: object
@@ -123,6 +133,7 @@ class PartUpdate:
     part: int = 0
     plan: Optional[object] = None
     shard: Optional[tuple] = None
+    update_mode: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -377,11 +388,10 @@ class GraphItem:
                                      or bool(self.reads[v.op.name].products)),
                          needs_stitching=self.reads[v.op.name].whole,
                          updates_rows=(v.op.name in updates_rows
-                                       or update_modes.get(v.op.name, ("",))[0]
+                                       or update_modes.get(v.op.name, {}).get("update_mode")
                                        == UPDATE_BY_ROWS),
                          slot_bytes=slot_bytes.get(v.op.name, 0),
-                         update_mode=update_modes.get(v.op.name, ("", ""))[0],
-                         update_note=update_modes.get(v.op.name, ("", ""))[1],
+                         **update_modes.get(v.op.name, {}),
                          **self._rows_gathered(self.reads[v.op.name]))
             for v in self._trainables]
         # optimizer call index -> its gradient processing, where it has one
@@ -517,8 +527,9 @@ class GraphItem:
         return frozenset(name for name, ops in writes.items()
                          if ops and all(op.startswith(_ROW_WRITES) for op in ops))
 
-    def _update_modes(self, updates_rows: frozenset) -> Dict[str, tuple]:
-        """Variable with a sparse gradient -> (how its update runs, why it is dense).
+    def _update_modes(self, updates_rows: frozenset) -> Dict[str, dict]:
+        """Variable with a sparse gradient -> its ``VariableInfo`` fields ``update_mode``,
+        ``update_note`` and ``lazy_refusal``.
 
         An optimizer call that decides (a Keras optimizer, from its traced update)
         says; for the others the update's own writes tell: by rows when they
@@ -530,7 +541,9 @@ class GraphItem:
         for call in self.optimizer_calls:
             modes.update({name: mode for name, mode in call.update_modes().items()
                           if name in modes})
-        return modes
+        return {name: {"update_mode": mode, "update_note": note,
+                       "lazy_refusal": self.optimizer_calls[self.call_of[name]].lazy_refusal}
+                for name, (mode, note) in modes.items()}
 
     def _loss_scale_reads(self) -> frozenset:
         scales = {call.loss_scale for call in self.optimizer_calls if call.loss_scale}

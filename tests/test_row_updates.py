@@ -17,10 +17,15 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from autodist.graph_item import UPDATE_BY_ROWS, UPDATE_BY_ROWS_AFTER_FIRST, UPDATE_DENSE
+from autodist import AutoDist
+from autodist.graph_item import (UPDATE_BY_ROWS, UPDATE_BY_ROWS_AFTER_FIRST, UPDATE_BY_ROWS_LAZY,
+                                 UPDATE_DENSE, GraphItem)
 from autodist.keras import step
 from autodist.simulator import format_rows_touched
-from autodist.strategy import PartitionedPS
+from autodist.resource_spec import ResourceSpec
+from autodist.simulator.traffic import sync_parts
+from autodist.strategy import AllReduce, LazyRowUpdates, PartitionedPS, StrategyError
+from autodist.strategy.compiler import compile_strategy
 from test_equivalence import train_autodist, train_single
 from test_keras import BUILDERS, assert_same
 from test_keras_patterns import fit_both
@@ -60,13 +65,17 @@ def table_data(seed: int = 0):
     return ids, rng.normal(size=(EXAMPLES, 1)).astype(np.float32)
 
 
-def update_mode(optimizer) -> tuple:
-    """The table's (update mode, note) as AutoDist decides it from the traced step."""
+def table_item(optimizer) -> GraphItem:
+    """The ``GraphItem`` of ``table_model(optimizer)``'s traced training step."""
     model = table_model(optimizer)
     model.optimizer.build(model.trainable_variables)
     x, y = table_data()
-    item = step.lift_step(step.trace_step(model.train_step, ((x, y),), autograph=False)).item
-    info = {v.name: v for v in item.trainable_variables}[TABLE]
+    return step.lift_step(step.trace_step(model.train_step, ((x, y),), autograph=False)).item
+
+
+def update_mode(optimizer) -> tuple:
+    """The table's (update mode, note) as AutoDist decides it from the traced step."""
+    info = {v.name: v for v in table_item(optimizer).trainable_variables}[TABLE]
     return info.update_mode, info.update_note
 
 
@@ -99,6 +108,16 @@ def test_the_update_mode_follows_from_what_the_update_computes(optimizer, mode):
         assert note == ""
 
 
+def _traced(session) -> "tf1.RunMetadata":
+    """The metadata that ``session``'s later runs fill, fully traced."""
+    metadata = tf1.RunMetadata()
+    run = session.run
+    session.run = lambda *args, **kwargs: run(
+        *args, **kwargs, options=tf1.RunOptions(trace_level=tf1.RunOptions.FULL_TRACE),
+        run_metadata=metadata)
+    return metadata
+
+
 def _rows_gathered_to_update(graph: tf.Graph, metadata) -> dict:
     """Stored variable (a table's part or its slot) -> the rows the traced step gathered
     for its update by rows (and wrote back), from the shapes the ops gave."""
@@ -123,28 +142,30 @@ def test_a_table_updated_by_rows_trains_as_on_one_device(spec_path, builder, opt
                                        "config": {"learning_rate": 0.1}}))
     (want, _), (got, model) = fit_both(spec_path, BUILDERS[builder](), build, x, y, epochs=2)
     assert_same(got, want, f"{optimizer} under {builder}")
-    # One more step, traced: every write of the table (and of each slot) took as many
-    # rows as the batch names distinct ids, each once, over the table's parts.
+    # One more step, traced.
     session = model._autodist_fit.step.session
-    metadata = tf1.RunMetadata()
-    run = session.run
-    session.run = lambda *args, **kwargs: run(
-        *args, **kwargs, options=tf1.RunOptions(trace_level=tf1.RunOptions.FULL_TRACE),
-        run_metadata=metadata)
+    metadata = _traced(session)
     model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     graph = session.distributed.graph
-    rows = _rows_gathered_to_update(graph, metadata)
+    _assert_updated_rows_are_the_batch_ids(graph, _rows_gathered_to_update(graph, metadata),
+                                           x[:BATCH], builder, {"Adagrad": 1, "Ftrl": 2}[optimizer])
+
+
+def _assert_updated_rows_are_the_batch_ids(graph: tf.Graph, rows: dict, ids: np.ndarray,
+                                           builder: str, slots: int) -> None:
+    """Every write of the table (and of each of its ``slots`` slots) took as many rows as
+    ``ids`` names distinct ids, each once, over the table's parts."""
     parts = sorted((name for name in rows if name == TABLE or name.startswith(f"{TABLE}/part_")
                     and "/" not in name[len(TABLE) + 1:]), key=lambda n: n.rsplit("_", 1)[-1])
     assert len(parts) == (1 if builder == "AllReduce" else 2), rows
-    ids, offset = np.unique(x[:BATCH]), 0
+    ids, offset = np.unique(ids), 0
     for part in parts:
         size = graph.get_operation_by_name(part).get_attr("shape").dim[0].size
         assert rows[part] == np.count_nonzero((ids >= offset) & (ids < offset + size)), rows
         offset += size
-        slots = {name: count for name, count in rows.items() if name.startswith(part + "/")}
-        assert len(slots) == {"Adagrad": 1, "Ftrl": 2}[optimizer], rows
-        assert set(slots.values()) == {rows[part]}, rows  # its accumulator, FTRL's linear
+        part_slots = {name: count for name, count in rows.items() if name.startswith(part + "/")}
+        assert len(part_slots) == slots, rows
+        assert set(part_slots.values()) == {rows[part]}, rows  # Adagrad's accumulator, ...
     assert 0 < sum(rows[part] for part in parts) == len(ids) < VOCABULARY
 
 
@@ -176,3 +197,112 @@ def test_explain_says_how_each_table_is_updated():
         item = step.lift_step(step.trace_step(model.train_step, ((x, y),), autograph=False)).item
         text = format_rows_touched(item.trainable_variables, 32)
         assert said in text, text
+
+
+# ----------------------------------------------------------------------------- lazy, on request
+
+def lazy_data():
+    """Two batches: the first looks up rows 20 to 39, the second rows 20 to 29 only."""
+    rng = np.random.default_rng(5)
+    ids = np.concatenate([rng.integers(20, 40, (BATCH, IDS_PER_EXAMPLE)),
+                          rng.integers(20, 30, (BATCH, IDS_PER_EXAMPLE))]).astype(np.int32)
+    return ids, rng.normal(size=(2 * BATCH, 1)).astype(np.float32)
+
+
+def _state(model) -> dict:
+    """Path -> value of every model and optimizer variable (without the optimizer's own,
+    uniquified, name: "adam_2/iteration")."""
+    return {**{v.path: v.numpy() for v in model.weights},
+            **{v.path.split("/", 1)[-1]: v.numpy() for v in model.optimizer.variables}}
+
+
+@pytest.mark.parametrize("builder", ["PartitionedPS", "AllReduce"])
+def test_lazy_adam_differs_from_single_device_exactly_on_the_rows_a_step_left_out(spec_path,
+                                                                                  builder):
+    """``LazyRowUpdates``: Adam updates the table by the rows each step looked up. Step 1
+    looks up rows A and B, step 2 rows A only. Single-device Adam moves rows B at step 2
+    too (their moments decay, not to zero); lazily they, and their moments, stay as step
+    1 left them. Everything else, and the logged loss, is the single-device value."""
+    x, y = lazy_data()
+    looked_up = [np.unique(x[:BATCH]), np.unique(x[BATCH:])]
+    rows_b = np.setdiff1d(*looked_up)
+    assert len(rows_b) >= 3 and len(looked_up[1]) >= 5
+    single = table_model(O.Adam(0.1))
+    want_loss = single.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, shuffle=False,
+                           verbose=0).history["loss"]
+    after_one = _state(single)
+    want_loss += single.fit(x[BATCH:], y[BATCH:], batch_size=BATCH, shuffle=False,
+                            verbose=0).history["loss"]
+    want = _state(single)
+    ad = AutoDist(resource_spec_file=spec_path, strategy_builder=LazyRowUpdates(BUILDERS[builder]()))
+    with ad.scope():
+        lazy = table_model(O.Adam(0.1))
+    got_loss = [lazy.fit(x[s:s + BATCH], y[s:s + BATCH], batch_size=BATCH, shuffle=False,
+                         verbose=0).history["loss"][0] for s in (0, BATCH)]
+    assert [n.lazy_row_update for n in ad.strategy.node_config] == [True, False, False]
+    got = _state(lazy)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5, atol=1e-6)
+    table_state = [path for path in want if path.endswith(("table/embeddings",
+                                                           "table_embeddings_momentum",
+                                                           "table_embeddings_velocity"))]
+    assert len(table_state) == 3, sorted(want)
+    for path, value in want.items():
+        if path not in table_state:
+            np.testing.assert_allclose(got[path], value, rtol=1e-5, atol=1e-6, err_msg=path)
+            continue
+        rest = np.setdiff1d(np.arange(VOCABULARY), rows_b)
+        np.testing.assert_allclose(got[path][rest], value[rest], rtol=1e-5, atol=1e-6,
+                                   err_msg=path)
+        np.testing.assert_allclose(got[path][rows_b], after_one[path][rows_b], rtol=1e-5,
+                                   atol=1e-6, err_msg=f"{path}: rows step 2 left out")
+        # ... where single-device Adam moved every one of them (the velocity by 1e-3 of
+        # itself: beta_2 is 0.999), by far more than the tolerance.
+        before = after_one[path][rows_b]
+        assert np.all(np.abs(value[rows_b] - before).max(axis=1)
+                      > 1e-4 * np.abs(before).max(axis=1)), path
+    # Step 2's writes of the table and its two moments took its distinct ids alone.
+    metadata = _traced(lazy._autodist_fit.step.session)
+    lazy.fit(x[BATCH:], y[BATCH:], batch_size=BATCH, shuffle=False, verbose=0)
+    graph = lazy._autodist_fit.step.session.distributed.graph
+    _assert_updated_rows_are_the_batch_ids(graph, _rows_gathered_to_update(graph, metadata),
+                                           x[BATCH:], builder, 2)
+
+
+def test_a_lazy_update_is_refused_where_it_cannot_run(spec_path):
+    """Named: a variable with a dense gradient, a part's config, a name the model lacks,
+    and a ``tf.compat.v1`` optimizer, whose own sparse kernels AutoDist keeps."""
+    item = table_item(O.Adam(0.1))
+    spec = ResourceSpec(spec_path)
+    with pytest.raises(StrategyError, match="variable 'out/kernel' sets lazy_row_update, but "
+                                            "its gradient is not sparse"):
+        compile_strategy(LazyRowUpdates(AllReduce(), ["out/kernel"]).build(item, spec), item,
+                         spec)
+    strategy = PartitionedPS().build(item, spec)
+    table = strategy.node_config_by_name()[TABLE]
+    table.part_config[1].lazy_row_update = True
+    with pytest.raises(StrategyError, match=f"set it on the config of variable '{TABLE}'"):
+        compile_strategy(strategy, item, spec)
+    with pytest.raises(StrategyError, match=r"names \['tabel/embeddings'\], which the model"):
+        LazyRowUpdates(AllReduce(), ["tabel/embeddings"]).build(item, spec)
+    with pytest.raises(StrategyError, match="variable 'table' sets lazy_row_update, but its "
+                                            "optimizer is a tf.compat.v1 one"):
+        train_autodist(spec_path, LazyRowUpdates(PartitionedPS()), "gathered", "adam", 1)
+
+
+def test_explain_and_the_cost_model_take_a_lazy_table_as_updated_by_rows(spec_path):
+    item = table_item(O.Adam(0.1))
+    spec = ResourceSpec(spec_path)
+    charged = {}
+    for builder in (PartitionedPS(), LazyRowUpdates(PartitionedPS())):
+        compiled = compile_strategy(builder.build(item, spec), item, spec)
+        infos = [v.info for v in compiled.variables.values()]
+        text = format_rows_touched(infos, 32)
+        parts, _ = sync_parts(compiled, infos, BATCH, {})
+        charged[type(builder).__name__] = parts.updated_by_rows[parts.sparse].tolist()
+        if isinstance(builder, LazyRowUpdates):
+            assert ("updated by rows, lazy (lazy_row_update: rows without gradient keep their "
+                    "value and slots, unlike on one device; exact: dense, as Adam's update "
+                    "changes rows that have no gradient") in text, text
+            assert {v.info.name: v.info.update_mode for v in compiled.variables.values()
+                    if v.info.update_mode} == {TABLE: UPDATE_BY_ROWS_LAZY}
+    assert charged == {"PartitionedPS": [False, False], "LazyRowUpdates": [True, True]}

@@ -35,7 +35,7 @@ from autodist.graph_item import (RESOURCE_WRITES, UPDATE_BY_ROWS, UPDATE_BY_ROWS
                                  UPDATE_DENSE, PartUpdate, op_name, tensor_name,
                                  through_identities)
 from autodist.kernels import partitioner
-from autodist.kernels.row_updates import UPDATE_MODES, DenseUpdate, RowUpdate, UpdateMode
+from autodist.kernels.row_updates import DenseUpdate, RowUpdate, UpdateMode, mode_of
 from autodist.partition import PartitionPlan
 
 # Ops whose result on a part of a variable is not that part of their result on it.
@@ -101,6 +101,8 @@ class KerasOptimizerCall:
         state_bytes: optimizer state placeholder name -> its bytes (``slot_bytes``).
         loss_scale: the lifted variable the step multiplies its loss by before
             the gradients (a ``LossScaleOptimizer``'s scale), or None.
+        lazy_refusal: always empty: AutoDist runs its traced update on gathered rows
+            (``kernels/row_updates.py``), lazily where the strategy asks.
 
     Attributes (as ``KerasUpdate`` reads them):
         optimizer_name: the optimizer's class name, for error messages.
@@ -126,6 +128,7 @@ class KerasOptimizerCall:
     """
 
     global_step = None
+    lazy_refusal = ""
 
     def __init__(self, graph: tf.Graph, grads_and_vars: list, update_ops: frozenset,
                  state: dict, state_bytes: dict, result_op_name: str, optimizer_name: str,
@@ -207,11 +210,6 @@ class KerasOptimizerCall:
                              if key == "indices"})
             self._update_modes = _SampleRowsCheck(self, sparse).modes() if sparse else {}
         return self._update_modes
-
-    def mode_of(self, update: PartUpdate) -> UpdateMode:
-        """How ``update``'s copy runs its update: a shard of a flattened part runs dense."""
-        name = self.update_modes().get(update.name, (UPDATE_DENSE,))[0]
-        return UPDATE_MODES[UPDATE_DENSE if update.shard is not None else name]
 
     def _writes(self, names) -> list:
         return [n for n in names if self.nodes[n].op in RESOURCE_WRITES]
@@ -306,7 +304,7 @@ class KerasUpdate:
             state_handles = {key: v.handle for key, v in self._non_slots.items()}
             common = self._import(stages.common, self._common_inputs(updates, state_handles),
                                   "keras_update/common")
-        per_variable = [self._apply_part(update, common, state_handles, call.mode_of(update))
+        per_variable = [self._apply_part(update, common, state_handles, mode_of(update))
                         for update in updates]
 
         def no_gradient(name):

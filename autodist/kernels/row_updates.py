@@ -19,7 +19,8 @@ from typing import Callable, Dict, Optional
 
 import tensorflow as tf
 
-from autodist.graph_item import UPDATE_BY_ROWS, UPDATE_BY_ROWS_AFTER_FIRST, UPDATE_DENSE
+from autodist.graph_item import (UPDATE_BY_ROWS, UPDATE_BY_ROWS_AFTER_FIRST, UPDATE_BY_ROWS_LAZY,
+                                 UPDATE_DENSE, PartUpdate)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +127,23 @@ class RowUpdateAfterFirst(RowUpdate):
                        lambda: tuple(tf.unique(indices, out_idx=tf.int64)))
 
 
-UPDATE_MODES = {mode.name: mode for mode in (DenseUpdate(), RowUpdate(), RowUpdateAfterFirst())}
+class LazyRowUpdate(RowUpdate):
+    """The touched rows alone, where the strategy asks for it (``lazy_row_update``) though
+    the update also changes rows without gradient: those keep their value and slots
+    (lazy Adam), unlike on one device."""
+
+    name = UPDATE_BY_ROWS_LAZY
+
+
+UPDATE_MODES = {mode.name: mode for mode in (DenseUpdate(), RowUpdate(), RowUpdateAfterFirst(),
+                                             LazyRowUpdate())}
+
+
+def mode_of(update: PartUpdate) -> UpdateMode:
+    """How ``update``'s copy runs its update: as the strategy compiled it, but a shard of
+    a flattened part (a dense gradient) runs dense."""
+    return UPDATE_MODES[update.update_mode if update.update_mode and update.shard is None
+                        else UPDATE_DENSE]
 
 
 def _scratch_rows(variable: tf.Variable, rows: tf.Tensor) -> tuple:

@@ -41,7 +41,7 @@ from typing import Optional
 import tensorflow as tf
 
 from autodist import _tf_compat
-from autodist.graph_item import GraphItem, PartUpdate
+from autodist.graph_item import GraphItem, PartUpdate, VariableInfo
 from autodist.kernel_context import KernelContext, replica_scope
 from autodist.kernels import fills, gradient_processing, node_products, partitioner, replicator
 from autodist.kernels.accumulator import Accumulation
@@ -353,7 +353,7 @@ def _synchronize(result: DistributedGraph, call: int, synchronizers: dict,
             per_part = [per_replica]
         product = node_products.node_product(per_replica, ctx, name)
         for index, (part_storage, grads) in enumerate(zip(storage.parts, per_part)):
-            update = functools.partial(_part_update, part_storage, name, plan)
+            update = functools.partial(_part_update, part_storage, storage.compiled.info, plan)
             node_sum = None
             if product is not None:
                 node_sum = (product.whole if plan is None
@@ -370,8 +370,9 @@ def _synchronize(result: DistributedGraph, call: int, synchronizers: dict,
     return out
 
 
-def _part_update(storage: PartStorage, name: str, plan, mean) -> PartUpdate:
-    return PartUpdate(mean, storage.copies[0], name, storage.part.index, plan)
+def _part_update(storage: PartStorage, info: VariableInfo, plan, mean) -> PartUpdate:
+    return PartUpdate(mean, storage.copies[0], info.name, storage.part.index, plan,
+                      update_mode=info.update_mode)
 
 
 def _scaled(gradient, weight: tf.Tensor):

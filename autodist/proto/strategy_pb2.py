@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from autodist.proto import synchronizers_pb2 as autodist_dot_proto_dot_synchronizers__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x61utodist/proto/strategy.proto\x12\x0e\x61utodist.proto\x1a\"autodist/proto/synchronizers.proto\"\xed\x03\n\x08Strategy\x12\n\n\x02id\x18\x01 \x01(\t\x12:\n\x0cgraph_config\x18\x02 \x01(\x0b\x32$.autodist.proto.Strategy.GraphConfig\x12\x32\n\x0bnode_config\x18\x03 \x03(\x0b\x32\x1d.autodist.proto.Strategy.Node\x1a\x1f\n\x0bGraphConfig\x12\x10\n\x08replicas\x18\x01 \x03(\t\x1a\xc3\x02\n\x04Node\x12\x10\n\x08var_name\x18\x01 \x01(\t\x12\x13\n\x0bpartitioner\x18\x02 \x01(\t\x12\x32\n\x0bpart_config\x18\x03 \x03(\x0b\x32\x1d.autodist.proto.Strategy.Node\x12\x38\n\x0ePSSynchronizer\x18\x04 \x01(\x0b\x32\x1e.autodist.proto.PSSynchronizerH\x00\x12\x46\n\x15\x41llReduceSynchronizer\x18\x05 \x01(\x0b\x32%.autodist.proto.AllReduceSynchronizerH\x00\x12N\n\x19ShardedUpdateSynchronizer\x18\x06 \x01(\x0b\x32).autodist.proto.ShardedUpdateSynchronizerH\x00\x42\x0e\n\x0csynchronizerb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x61utodist/proto/strategy.proto\x12\x0e\x61utodist.proto\x1a\"autodist/proto/synchronizers.proto\"\x86\x04\n\x08Strategy\x12\n\n\x02id\x18\x01 \x01(\t\x12:\n\x0cgraph_config\x18\x02 \x01(\x0b\x32$.autodist.proto.Strategy.GraphConfig\x12\x32\n\x0bnode_config\x18\x03 \x03(\x0b\x32\x1d.autodist.proto.Strategy.Node\x1a\x1f\n\x0bGraphConfig\x12\x10\n\x08replicas\x18\x01 \x03(\t\x1a\xdc\x02\n\x04Node\x12\x10\n\x08var_name\x18\x01 \x01(\t\x12\x13\n\x0bpartitioner\x18\x02 \x01(\t\x12\x32\n\x0bpart_config\x18\x03 \x03(\x0b\x32\x1d.autodist.proto.Strategy.Node\x12\x38\n\x0ePSSynchronizer\x18\x04 \x01(\x0b\x32\x1e.autodist.proto.PSSynchronizerH\x00\x12\x46\n\x15\x41llReduceSynchronizer\x18\x05 \x01(\x0b\x32%.autodist.proto.AllReduceSynchronizerH\x00\x12N\n\x19ShardedUpdateSynchronizer\x18\x06 \x01(\x0b\x32).autodist.proto.ShardedUpdateSynchronizerH\x00\x12\x17\n\x0flazy_row_update\x18\x07 \x01(\x08\x42\x0e\n\x0csynchronizerb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'autodist.proto.strategy_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STRATEGY']._serialized_start=86
-  _globals['_STRATEGY']._serialized_end=579
+  _globals['_STRATEGY']._serialized_end=604
   _globals['_STRATEGY_GRAPHCONFIG']._serialized_start=222
   _globals['_STRATEGY_GRAPHCONFIG']._serialized_end=253
   _globals['_STRATEGY_NODE']._serialized_start=256
-  _globals['_STRATEGY_NODE']._serialized_end=579
+  _globals['_STRATEGY_NODE']._serialized_end=604
 # @@protoc_insertion_point(module_scope)

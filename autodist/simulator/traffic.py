@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Mapping, Sequence, Tuple
 import numpy as np
 
 from autodist import partition
-from autodist.graph_item import UPDATE_BY_ROWS, UPDATE_BY_ROWS_AFTER_FIRST
+from autodist.graph_item import UPDATES_BY_ROWS
 from autodist.network import node_of
 from autodist.strategy.compiler import check_configs_match, synchronizer_kind
 from autodist.synchronizers import KINDS
@@ -168,7 +168,7 @@ def _columns(infos: List[Any], names: List[str], records: List[tuple],
     table = np.array(records, dtype=np.float64).reshape(len(records), _RECORD)
     row = table[:, 0].astype(np.intp)
     flags = np.array([(info.has_grad, info.sparse_grad, info.read_whole, info.updates_rows,
-                       info.update_mode in (UPDATE_BY_ROWS, UPDATE_BY_ROWS_AFTER_FIRST))
+                       info.update_mode in UPDATES_BY_ROWS)
                       for info in infos], dtype=bool).reshape(len(infos), 5)[row]
     ready_rank = np.array([info.ready_rank for info in infos], dtype=np.int64)[row]
     _, dtype = np.unique([info.dtype for info in infos], return_inverse=True)

@@ -5,6 +5,7 @@ above them, in :mod:`autodist.search`.
 """
 from autodist.strategy.all_reduce_builders import AllReduce, PartitionedAR, RandomAxisPartitionAR
 from autodist.strategy.base import Strategy, StrategyBuilder, StrategyError
+from autodist.strategy.lazy_row_updates import LazyRowUpdates
 from autodist.strategy.parallax import Parallax
 from autodist.strategy.ps_builders import PS, PartitionedPS, PSLoadBalancing, UnevenPartitionedPS
 from autodist.strategy.sharded_update_builders import ShardedUpdateAR
@@ -12,6 +13,7 @@ from autodist.strategy.sharded_update_builders import ShardedUpdateAR
 __all__ = [
     "AllReduce",
     "BUILDERS",
+    "LazyRowUpdates",
     "PS",
     "Parallax",
     "PartitionedAR",
@@ -26,7 +28,8 @@ __all__ = [
     "get_builder",
 ]
 
-# Explicit name -> class registry, for choosing a builder from a config file.
+# Explicit name -> class registry, for choosing a builder from a config file. Not
+# LazyRowUpdates: it wraps one of these, and AutoStrategy times these as they are.
 BUILDERS = {
     cls.__name__: cls
     for cls in (PS, PSLoadBalancing, PartitionedPS, UnevenPartitionedPS,

@@ -14,7 +14,7 @@ from typing import Dict, Optional, Type
 
 from google.protobuf.message import Message
 
-from autodist.graph_item import GraphItem, VariableInfo
+from autodist.graph_item import UPDATE_BY_ROWS, UPDATE_BY_ROWS_LAZY, GraphItem, VariableInfo
 from autodist.kernel_context import splits_step
 from autodist.partition import PartitionPlan, parse_partitioner
 from autodist.resource_spec import DeviceSpec, ResourceSpec
@@ -233,6 +233,7 @@ def _gib(nbytes: float) -> str:
 
 
 def _compile_variable(node, info: VariableInfo, devices: set, strategy_id: str):
+    info = _as_updated(node, info, strategy_id)
     if not node.partitioner:
         return CompiledVariable(info, None, (VariablePart(
             info.name, 0, info.shape, *_synchronizer(node, devices, strategy_id)),))
@@ -249,6 +250,31 @@ def _compile_variable(node, info: VariableInfo, devices: set, strategy_id: str):
                                *_synchronizer(part, devices, strategy_id))
                   for i, part in enumerate(node.part_config))
     return CompiledVariable(info, plan, parts)
+
+
+def _as_updated(node, info: VariableInfo, strategy_id: str) -> VariableInfo:
+    """``info`` with the update mode ``node`` asks for: lazily by rows where it sets
+    ``lazy_row_update`` and the update is not by rows exactly already."""
+    on_parts = [part.var_name for part in node.part_config if part.lazy_row_update]
+    if on_parts:
+        raise StrategyError(
+            f"Strategy {strategy_id}: lazy_row_update is set on the part configs {on_parts}; "
+            f"set it on the config of variable '{info.name}', which all its parts follow.")
+    if not node.lazy_row_update or info.update_mode == UPDATE_BY_ROWS:
+        return info
+    if not info.update_mode:
+        raise StrategyError(
+            f"Strategy {strategy_id}: variable '{info.name}' sets lazy_row_update, but its "
+            "gradient is not sparse (it is not read by rows), so there are no untouched rows "
+            "to leave out; clear lazy_row_update for it.")
+    if info.lazy_refusal:
+        raise StrategyError(f"Strategy {strategy_id}: variable '{info.name}' sets "
+                            f"lazy_row_update, but {info.lazy_refusal}.")
+    dense_because = f"; exact: dense, as {info.update_note}" if info.update_note else ""
+    return dataclasses.replace(
+        info, update_mode=UPDATE_BY_ROWS_LAZY, updates_rows=True,
+        update_note=("lazy_row_update: rows without gradient keep their value and slots, "
+                     f"unlike on one device{dense_because}"))
 
 
 def check_configs_match(strategy_id: str, configured: list, variables: list) -> None:
