@@ -9,10 +9,12 @@ nearly 2048 of the larger ones), targets standard normal. Every node fits 256
 rows per step.
 
 Table sizes (``--rows``): 100k, 1M and 10M rows (25.6 MB, 256 MB and 2.56 GB of
-float32). Optimizers (``--optimizers``, default all four): Keras ``SGD(0.01)``,
-``Adam(0.001)`` (two slots the size of the table), ``Adagrad(0.01)`` (one slot) and
-``Ftrl(0.01)`` (two slots). AutoDist updates only the rows a step touched where that
-is exact (SGD, Adagrad, FTRL after its first step), and the whole table with Adam.
+float32). Optimizers (``--optimizers``, default all five): Keras ``SGD(0.01)``,
+``Adam(0.001)`` (two slots the size of the table), ``adam_lazy`` (the same Adam, with
+AutoDist's builders wrapped in ``LazyRowUpdates``; the other systems run Adam as it
+is), ``Adagrad(0.01)`` (one slot) and ``Ftrl(0.01)`` (two slots). AutoDist updates
+only the rows a step touched where that is exact (SGD, Adagrad, FTRL after its first
+step), the whole table with Adam, and the touched rows with lazy Adam.
 
 Settings, each system against the same data:
 
@@ -91,6 +93,7 @@ contents entry). The emulated cluster is always removed, even after an error.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import signal
@@ -117,10 +120,34 @@ DIM = 64
 HIDDEN = 256
 ROWS_PER_NODE = 256
 DEFAULT_ROWS = (100_000, 1_000_000, 10_000_000)
-OPTIMIZERS = {"sgd": ("SGD", 0.01, 0), "adam": ("Adam", 0.001, 2),
-              "adagrad": ("Adagrad", 0.01, 1), "ftrl": ("Ftrl", 0.01, 2)}
-"""name -> (Keras class, learning rate, slots the size of the table); every one is run by
-default."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+    """A Keras optimizer as the benchmark runs it.
+
+    Attributes:
+        keras_class: its class name in ``keras.optimizers``.
+        rate: the learning rate.
+        slots: its slots the size of the table.
+        lazy: AutoDist's builders run under ``LazyRowUpdates`` (the table updated by the
+            rows a step looked up, inexactly); the other systems run the optimizer as it is.
+    """
+
+    keras_class: str
+    rate: float
+    slots: int
+    lazy: bool = False
+
+    @property
+    def label(self) -> str:
+        return self.keras_class + (", lazy" if self.lazy else "")
+
+
+OPTIMIZERS = {"sgd": Optimizer("SGD", 0.01, 0), "adam": Optimizer("Adam", 0.001, 2),
+              "adam_lazy": Optimizer("Adam", 0.001, 2, lazy=True),
+              "adagrad": Optimizer("Adagrad", 0.01, 1), "ftrl": Optimizer("Ftrl", 0.01, 2)}
+"""Every one is run by default."""
 DEFAULT_BUILDERS = ("AllReduce", "PartitionedPS", "Parallax", kst.AUTO)
 SETTINGS = kst.SETTINGS
 HOROVOD = horovod_peer.SYSTEM
@@ -154,10 +181,13 @@ GOAL_HOROVOD_ROWS, GOAL_HOROVOD = (1_000_000, 10_000_000), 2.0
 GOAL_RSS_EXTRA_GB = 1.5
 SCALING_GOALS = (("PartitionedPS", "sgd", ()), ("Parallax", "sgd", ()),
                  ("PartitionedPS", "adagrad", ("one_node",)),
-                 ("PartitionedPS", "ftrl", ("one_node",)))
+                 ("PartitionedPS", "ftrl", ("one_node",)),
+                 ("PartitionedPS", "adam_lazy", ("one_node",)),
+                 ("PartitionedPS", "adam", SETTINGS))
 """(builder, optimizer, settings where its check is only informative): step at GOAL_LARGE rows
 at most GOAL_SCALING x its step at GOAL_SMALL. Issue 31 set it with SGD for both builders;
-issue 57 for ``PartitionedPS`` with SGD (the same check), Adagrad and FTRL on the cluster."""
+issue 57 for ``PartitionedPS`` with SGD (the same check), Adagrad, FTRL and lazy Adam on the
+cluster, and exact Adam's growth reported (informative everywhere)."""
 GOAL_KERAS_OPTIMIZER, GOAL_KERAS_ROWS, GOAL_KERAS = "adagrad", 10_000_000, 3.0
 """Issue 57: on one node, the best builder's step rate at least GOAL_KERAS x plain Keras's."""
 INFORMATIVE = "informative"
@@ -181,8 +211,7 @@ def build_model(table_rows: int, optimizer: str, sequential=None, wrap_optimizer
         keras.layers.GlobalAveragePooling1D(),
         keras.layers.Dense(HIDDEN, activation="relu"),
         keras.layers.Dense(1)])
-    name, rate, _ = OPTIMIZERS[optimizer]
-    chosen = getattr(keras.optimizers, name)(rate)
+    chosen = getattr(keras.optimizers, OPTIMIZERS[optimizer].keras_class)(OPTIMIZERS[optimizer].rate)
     model.compile(optimizer=wrap_optimizer(chosen) if wrap_optimizer else chosen, loss="mse")
     return model
 
@@ -202,10 +231,17 @@ def run_job(args) -> None:
     if args._job == "horovod":  # pylint: disable=protected-access
         horovod_peer.job(args.warmup, args.timed, model, data, args.rows_per_replica)
         return
-    jobs = {"autodist": functools.partial(kst.job_autodist, args.spec, args.builder),
+    lazy = OPTIMIZERS[args.optimizer].lazy
+    jobs = {"autodist": functools.partial(kst.job_autodist, args.spec, args.builder,
+                                          wrap_builder=_lazy_row_updates if lazy else None),
             "mirrored": kst.job_mirrored, "mwms": kst.job_mwms, "keras": job_keras}
     jobs[args._job](args.warmup, args.timed, model, data,  # pylint: disable=protected-access
                     args.rows_per_replica)
+
+
+def _lazy_row_updates(builder):
+    from autodist.strategy import LazyRowUpdates
+    return LazyRowUpdates(builder)
 
 
 def job_keras(warmup: int, timed: int, build, data, rows_per_replica: int) -> None:
@@ -428,7 +464,7 @@ def _guarded(setting: str, case, memory: MemoryEstimates, job, system: str) -> d
     if stopped is not None:
         return {"system": system, "skipped": True,
                 "error": f"skipped: ran out of memory at {_label(stopped)} rows"}
-    per_process = memory.per_process_gb(key, case.table_rows, OPTIMIZERS[case.optimizer][2])
+    per_process = memory.per_process_gb(key, case.table_rows, OPTIMIZERS[case.optimizer].slots)
     need, available = per_process * PROCESSES[setting], available_gb()
     if need > available - case.reserve_gb:
         return {"system": system, "skipped": True, "needs_gb": need,
@@ -502,7 +538,7 @@ def _why_missing(table: dict, optimizer: str, table_rows: int, system: str) -> s
 
 def _not_run(optimizer: str, args):
     """A goal cell for an optimizer this run left out, or None."""
-    return (None, f"not measured: {OPTIMIZERS[optimizer][0]} not run") \
+    return (None, f"not measured: {OPTIMIZERS[optimizer].label} not run") \
         if optimizer not in args.optimizers else None
 
 
@@ -553,10 +589,12 @@ def goal_verdicts(tables: dict, args) -> list:
     for builder, optimizer, informative in SCALING_GOALS:
         cells = {setting: _scaling_cell(table, builder, optimizer, args, setting in informative)
                  for setting, table in tables.items()}
-        where = (f"; goal on {', '.join(SHORT[s] for s in SETTINGS if s not in informative)}, "
-                 f"{', '.join(SHORT[s] for s in informative)} informative" if informative else "")
+        goal_on = [SHORT[s] for s in SETTINGS if s not in informative]
+        where = ("" if not informative else "; informative: the growth is reported" if not goal_on
+                 else f"; goal on {', '.join(goal_on)}, "
+                      f"{', '.join(SHORT[s] for s in informative)} informative")
         out.append((f"`{builder}` step at {_label(GOAL_LARGE)} rows <= {GOAL_SCALING}x its step "
-                    f"at {_label(GOAL_SMALL)} ({OPTIMIZERS[optimizer][0]}{where})", cells))
+                    f"at {_label(GOAL_SMALL)} ({OPTIMIZERS[optimizer].label}{where})", cells))
     for table_rows in GOAL_HOROVOD_ROWS:
         cells = {setting: _best_builder_cell(table, "sgd", table_rows, HOROVOD, GOAL_HOROVOD, args)
                  if HOROVOD in SETTING_PEERS[setting] else (None, "no Horovod here")
@@ -568,10 +606,10 @@ def goal_verdicts(tables: dict, args) -> list:
              if KERAS in SETTING_PEERS[setting] else (None, f"no {KERAS} here")
              for setting, table in tables.items()}
     out.append((f"best AutoDist builder >= {GOAL_KERAS:.0f}x `{KERAS}` at "
-                f"{_label(GOAL_KERAS_ROWS)} rows ({OPTIMIZERS[GOAL_KERAS_OPTIMIZER][0]}, one node)",
+                f"{_label(GOAL_KERAS_ROWS)} rows ({OPTIMIZERS[GOAL_KERAS_OPTIMIZER].label}, one node)",
                 cells))
     for optimizer in args.optimizers:
-        slots = OPTIMIZERS[optimizer][2]
+        slots = OPTIMIZERS[optimizer].slots
         cells = {}
         for setting, table in tables.items():
             checked, worst = 0, None
@@ -594,7 +632,7 @@ def goal_verdicts(tables: dict, args) -> list:
                                    + ("met" if met else "MISSED"))
         out.append((f"`PartitionedPS` peak memory per node <= its share of the table "
                     f"{'and slots ' if slots else ''}+ {GOAL_RSS_EXTRA_GB} GB "
-                    f"({OPTIMIZERS[optimizer][0]})", cells))
+                    f"({OPTIMIZERS[optimizer].label})", cells))
     return out
 
 
@@ -637,9 +675,10 @@ def _table_lines(setting: str, optimizer: str, table: dict, args, markdown: bool
 
 
 def _title(setting: str, optimizer: str) -> str:
-    name, rate, _ = OPTIMIZERS[optimizer]
+    chosen = OPTIMIZERS[optimizer]
     where = kst.TITLES[setting].replace(", 1 CPU replica each", ", 1 CPU replica per node")
-    return f"{where}, {name}({rate})"
+    return (f"{where}, {chosen.keras_class}({chosen.rate})"
+            + (" under `LazyRowUpdates` (the other systems: exact)" if chosen.lazy else ""))
 
 
 def _problems(tables: dict) -> list:
@@ -666,7 +705,7 @@ def _findings(tables: dict, args) -> list:
             if not ran:
                 continue
             common = [r for r in args.rows if all(r in sizes for sizes in ran.values())]
-            text = f"{SHORT[setting]}, {OPTIMIZERS[optimizer][0]}: "
+            text = f"{SHORT[setting]}, {OPTIMIZERS[optimizer].label}: "
             if common:
                 rows = table[(optimizer, common[-1])]
                 fastest = min(ran, key=lambda s: rows[s]["median_s"])
@@ -770,8 +809,10 @@ def main(argv=None) -> int:
     parser.add_argument("--optimizers", nargs="+", choices=tuple(OPTIMIZERS),
                         default=list(OPTIMIZERS),
                         help="Keras optimizers: " + ", ".join(
-                            f"{o} = {n}({r})" + (f" with {k} slot{'s' * (k > 1)}" if k else "")
-                            for o, (n, r, k) in OPTIMIZERS.items())
+                            f"{o} = {c.keras_class}({c.rate})"
+                            + (f" with {c.slots} slot{'s' * (c.slots > 1)}" if c.slots else "")
+                            + (" under LazyRowUpdates" if c.lazy else "")
+                            for o, c in OPTIMIZERS.items())
                         + f" (default: {' '.join(OPTIMIZERS)})")
     parser.add_argument("--builders", nargs="*", default=list(DEFAULT_BUILDERS),
                         help=f"AutoDist builders (default: {' '.join(DEFAULT_BUILDERS)})")

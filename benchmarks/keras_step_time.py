@@ -234,21 +234,24 @@ def strategy_builder(text: str, rows_per_replica: int):
 
 
 def job_autodist(spec: str, builder: str, warmup: int, timed: int, build=build_model,
-                 data=synthetic_data, rows_per_replica: int = ROWS_PER_REPLICA) -> None:
+                 data=synthetic_data, rows_per_replica: int = ROWS_PER_REPLICA,
+                 wrap_builder=None) -> None:
     """One node's part of an AutoDist run (the chief also launches the others); the chief prints.
 
     Args:
         build: makes the compiled model, as :func:`build_model` (which it defaults to).
         data: ``data(seed, rows)`` -> (x, y), as :func:`synthetic_data`.
         rows_per_replica: the rows each replica processes per step.
+        wrap_builder: turns the builder ``builder`` names into the one run, or None.
     """
     limit_threads()
     import keras
 
     from autodist import AutoDist
 
+    chosen = strategy_builder(builder, rows_per_replica)
     ad = AutoDist(resource_spec_file=spec,
-                  strategy_builder=strategy_builder(builder, rows_per_replica))
+                  strategy_builder=wrap_builder(chosen) if wrap_builder else chosen)
     num_nodes = len(ad.resource_spec.nodes)
     replicas = len(ad.resource_spec.replica_devices)
     if replicas % num_nodes:
