@@ -48,6 +48,8 @@ OPTIMIZERS = {
     "adam": lambda: tf1.train.AdamOptimizer(0.05),
     "sgd": lambda: tf1.train.GradientDescentOptimizer(0.1),
     "momentum": lambda: tf1.train.MomentumOptimizer(0.1, momentum=0.9),
+    "adagrad": lambda: tf1.train.AdagradOptimizer(0.1),
+    "ftrl": lambda: tf1.train.FtrlOptimizer(0.1),
 }
 
 

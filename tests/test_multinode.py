@@ -151,12 +151,15 @@ def test_nodes_summing_their_replicas_first_train_like_one_device(three_nodes, t
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("optimizer, by_rows", [("sgd", True), ("adam", False)])
+@pytest.mark.parametrize("optimizer, by_rows", [("sgd", True), ("adagrad", True), ("ftrl", True),
+                                                ("adam", False)])
 @pytest.mark.parametrize("builder", ["Parallax", "SummedPerNodePS"])
 def test_proxies_of_a_table_follow_the_rows_its_update_writes(three_nodes, tmp_path, builder,
                                                              optimizer, by_rows):
-    """SGD scatters into the rows of the table's gradient: every node refreshes its
-    proxies of the table by those rows alone. Adam writes every row: whole refreshes."""
+    """SGD, and tf.compat.v1's Adagrad and FTRL (sparse kernels), write the rows of the
+    table's gradient alone: every node refreshes its proxies of the table by those rows.
+    Adam writes every row: whole refreshes. Every variable, slots too, is the single-device
+    one."""
     cluster, spec = three_nodes
     out = tmp_path / "variables.npz"
     done = _run_job(cluster, spec, builder, out, "--optimizer", optimizer, "--all-variables")
