@@ -168,23 +168,23 @@ def capture_compile(record: Callable[[keras.Model], None]) -> Iterator[None]:
 
     The original method is always restored on exit.
     """
-    owner = keras.Model
-    original = owner.compile
+    # Where ``compile`` is defined (Keras's Trainer), not ``keras.Model``: Keras compiles
+    # a model it loads (``keras.models.load_model``) only when the model's class resolves
+    # ``compile`` to that class's own, so a replacement on ``keras.Model`` would leave a
+    # model loaded in the scope uncompiled, with no loss.
+    owner = next(cls for cls in keras.Model.__mro__ if "compile" in vars(cls))
+    original = vars(owner)["compile"]
 
     def recording_compile(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         record(self)
         return result
 
-    had_own = "compile" in owner.__dict__
     owner.compile = recording_compile
     try:
         yield
     finally:
-        if had_own:
-            owner.compile = original
-        else:
-            del owner.compile
+        owner.compile = original
 
 
 # tf_keras (Keras 2, which ``tf.keras`` is under TF_USE_LEGACY_KERAS) is looked up

@@ -868,6 +868,25 @@ def test_a_model_saved_whole_after_fit_reloads_with_the_trained_weights(spec_pat
     assert int(reloaded.optimizer.iterations.numpy()) > 0
 
 
+def test_a_model_loaded_in_the_scope_is_compiled_and_trains_distributed(spec_path, tmp_path):
+    """``keras.models.load_model`` in ``ad.scope()`` compiles the model it loads, as outside
+    it (AutoDist's hook on ``compile`` once made Keras take it for a custom one and skip
+    the compile: no loss), and its ``fit`` resumes through AutoDist as plain Keras does."""
+    x, y = km.data("mlp")
+    _, model, _ = fit_autodist(spec_path, PartitionedPS(), "mlp", "adam")
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    plain = keras.models.load_model(path)
+    want = plain.fit(x, y, **fit_kwargs(epochs=1)).history
+    with AutoDist(resource_spec_file=spec_path, strategy_builder=PartitionedPS()).scope():
+        loaded = keras.models.load_model(path)
+    assert loaded.loss is not None and loaded.get_compile_config() == plain.get_compile_config()
+    got = loaded.fit(x, y, **fit_kwargs(epochs=1)).history
+    assert loaded._autodist_fit.step.session.distributed.item.trainable_variables
+    assert_same(snapshot(loaded, loaded.optimizer, got), snapshot(plain, plain.optimizer, want),
+                "resumed from a .keras file")
+
+
 class SubclassedMLP(keras.Model):
     def __init__(self):
         super().__init__()
