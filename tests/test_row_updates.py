@@ -169,6 +169,36 @@ def _assert_updated_rows_are_the_batch_ids(graph: tf.Graph, rows: dict, ids: np.
     assert 0 < sum(rows[part] for part in parts) == len(ids) < VOCABULARY
 
 
+@pytest.mark.parametrize("optimizer", ["Adagrad", "Ftrl"])
+def test_a_table_updated_by_rows_accumulates_and_resumes_from_a_save_as_on_one_device(
+        spec_path, tmp_path, optimizer):
+    """Accumulated sparse gradients (two runs per update) go by rows too, and a model saved
+    whole after an epoch, reloaded in another job, trains on by rows from its restored state
+    (FTRL's iteration count says its first step is behind it): one device's two epochs on
+    twice the batch, in every weight and slot."""
+    x, y = table_data()
+    build = lambda: table_model(O.get({"class_name": optimizer, "config": {"learning_rate": 0.1}}))
+    single = build()
+    single.fit(x, y, batch_size=2 * BATCH, epochs=2, shuffle=False, verbose=0)
+    path = str(tmp_path / "model.keras")
+    for epoch in range(2):
+        ad = AutoDist(spec_path, PartitionedPS(), accumulation_steps=2)
+        with ad.scope():
+            model = build() if epoch == 0 else keras.models.load_model(path)
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        infos = model._autodist_fit.step.session.distributed.item.trainable_variables
+        assert {v.name: v.update_mode for v in infos if v.update_mode} == {
+            TABLE: {"Adagrad": UPDATE_BY_ROWS, "Ftrl": UPDATE_BY_ROWS_AFTER_FIRST}[optimizer]}
+        model.save(path)
+    assert int(model.optimizer.iterations.numpy()) == int(single.optimizer.iterations.numpy()) == 4
+    for got, want in zip(model.get_weights(), single.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert len(model.optimizer.variables) == len(single.optimizer.variables)
+    for got, want in zip(model.optimizer.variables, single.optimizer.variables):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6,
+                                   err_msg=want.path)
+
+
 @pytest.mark.parametrize("optimizer, mode", [("adagrad", UPDATE_BY_ROWS), ("ftrl", UPDATE_BY_ROWS),
                                              ("adam", UPDATE_DENSE)])
 def test_tf_compat_v1_optimizers_keep_their_own_sparse_kernels(spec_path, optimizer, mode):
