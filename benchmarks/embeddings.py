@@ -93,6 +93,7 @@ contents entry). The emulated cluster is always removed, even after an error.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import os
@@ -250,15 +251,8 @@ def job_keras(warmup: int, timed: int, build, data, rows_per_replica: int) -> No
     (``rows_per_replica`` x their replicas), on their data (seed 0) and with their initial
     weights, timer and thread limits (arguments as for ``keras_step_time.job_autodist``)."""
     kst.limit_threads()
-    import keras
-    batch = rows_per_replica * kst.ONE_NODE_REPLICAS
-    x, y = data(0, batch * (warmup + timed))
-    keras.utils.set_random_seed(0)
-    model = build()
-    timer = kst.batch_timer(warmup)
-    model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False, callbacks=[timer])
-    kst.print_cpu(KERAS, 0, timer)
-    kst.print_result(KERAS, timer)
+    kst.time_one_process_fit(KERAS, contextlib.nullcontext(), warmup, timed, build, data,
+                             rows_per_replica * kst.ONE_NODE_REPLICAS)
 
 
 def job_args(kind: str, case, *extra: str) -> list:

@@ -278,17 +278,25 @@ def job_mirrored(warmup: int, timed: int, build=build_model, data=synthetic_data
     tf.config.set_logical_device_configuration(
         cpu, [tf.config.LogicalDeviceConfiguration()] * ONE_NODE_REPLICAS)
     limit_threads()
-    import keras
     strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(ONE_NODE_REPLICAS)])
-    batch = rows_per_replica * ONE_NODE_REPLICAS
+    time_one_process_fit(PEERS["one_node"], strategy.scope(), warmup, timed, build, data,
+                         rows_per_replica * ONE_NODE_REPLICAS)
+
+
+def time_one_process_fit(system: str, scope, warmup: int, timed: int, build, data,
+                         batch: int) -> None:
+    """Times ``fit`` of ``build()``'s model, built in ``scope``, on ``data``'s first
+    ``batch * (warmup + timed)`` rows (seed 0) in batches of ``batch``, in this one
+    process, and prints ``system``'s result."""
+    import keras
     x, y = data(0, batch * (warmup + timed))
     keras.utils.set_random_seed(0)
-    with strategy.scope():
+    with scope:
         model = build()
     timer = batch_timer(warmup)
     model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False, callbacks=[timer])
-    print_cpu(PEERS["one_node"], 0, timer)
-    print_result(PEERS["one_node"], timer)
+    print_cpu(system, 0, timer)
+    print_result(system, timer)
 
 
 def _mwms_sequential():
