@@ -386,10 +386,10 @@ class KerasUpdate:
         # not in this graph: one starting at 1 stands in.
         for source in {op_name(i) for op in needed | stages.per_variable[update.name]
                        for i in call.nodes[op].input if not i.startswith("^")}:
-            if (source not in call.nodes and source not in call.state_values
-                    and source not in call.variable_names
-                    and call.graph.get_operation_by_name(source).type == "VarHandleOp"):
-                original = call.graph.get_operation_by_name(source)
+            if source in call.nodes or source in call.state_values or source in call.variable_names:
+                continue
+            original = call.graph.get_operation_by_name(source)
+            if original.type == "VarHandleOp":
                 stand_in = tf.Variable(tf.ones(original.get_attr("shape"),
                                                original.get_attr("dtype")), trainable=False)
                 self.stand_ins.append(stand_in)
