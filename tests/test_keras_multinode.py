@@ -95,7 +95,8 @@ def test_no_node_holds_a_whole_copy_of_a_table_kept_in_parts(three_nodes, tmp_pa
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("builder, optimizer, mode", [
-    ("PartitionedPS", "Adagrad", "by rows"), ("AllReduce", "Ftrl", "by rows after the first step")])
+    ("PartitionedPS", "Adagrad", "by rows"), ("AllReduce", "Ftrl", "by rows after the first step"),
+    ("PartitionedPS", "Ftrl", "by rows after the first step")])
 def test_a_table_updated_by_rows_on_a_cluster_equals_single_device_fit(
         three_nodes, tmp_path, builder, optimizer, mode):
     """Every node decides alike to update the table by the rows the step touched (the

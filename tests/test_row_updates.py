@@ -23,6 +23,7 @@ from autodist.graph_item import (UPDATE_BY_ROWS, UPDATE_BY_ROWS_AFTER_FIRST, UPD
 from autodist.keras import step
 from autodist.simulator import format_rows_touched
 from autodist.resource_spec import ResourceSpec
+from autodist.session import DistributedSession
 from autodist.simulator.traffic import sync_parts
 from autodist.strategy import AllReduce, LazyRowUpdates, PartitionedPS, StrategyError
 from autodist.strategy.compiler import compile_strategy
@@ -149,6 +150,34 @@ def test_a_table_updated_by_rows_trains_as_on_one_device(spec_path, builder, opt
     graph = session.distributed.graph
     _assert_updated_rows_are_the_batch_ids(graph, _rows_gathered_to_update(graph, metadata),
                                            x[:BATCH], builder, {"Adagrad": 1, "Ftrl": 2}[optimizer])
+
+
+def test_the_first_ftrl_step_runs_on_every_row_in_place(spec_path, monkeypatch):
+    """FTRL's first step moves rows without gradient (to 0): it runs on the table's parts
+    themselves, with no scratch copy of them (the step's gathers take the batch's rows
+    only), and leaves every untouched row where one device's first step does."""
+    x, y = table_data()
+    traces, run = [], DistributedSession.run
+
+    def traced_run(self, fetches, feed_dict=None, options=None, run_metadata=None):
+        traces.append(tf1.RunMetadata())
+        return run(self, fetches, feed_dict,
+                   options=tf1.RunOptions(trace_level=tf1.RunOptions.FULL_TRACE),
+                   run_metadata=traces[-1])
+
+    monkeypatch.setattr(DistributedSession, "run", traced_run)
+    (want, _), (got, model) = fit_both(spec_path, PartitionedPS(), lambda: table_model(O.Ftrl(0.1)),
+                                       x[:BATCH], y[:BATCH], epochs=1)
+    assert_same(got, want, "Ftrl's first step")
+    table = model.get_layer("table").embeddings.numpy()
+    untouched = np.setdiff1d(np.arange(VOCABULARY), x[:BATCH])
+    assert np.all(table[untouched] == 0) and np.any(table_model(O.Ftrl(0.1)).get_layer(
+        "table").embeddings.numpy()[untouched] != 0)
+    graph = model._autodist_fit.step.session.distributed.graph
+    steps = [_rows_gathered_to_update(graph, metadata) for metadata in traces]
+    steps = [rows for rows in steps if rows]
+    assert len(steps) == 1, steps
+    _assert_updated_rows_are_the_batch_ids(graph, steps[0], x[:BATCH], "PartitionedPS", 2)
 
 
 def _assert_updated_rows_are_the_batch_ids(graph: tf.Graph, rows: dict, ids: np.ndarray,

@@ -345,30 +345,32 @@ class KerasUpdate:
                                        self.initial_values, update)
                 self._slots[(update.variable.name, key)] = slot
                 state[key] = slot
-            view = mode.view(state, update.gradient, self._non_slots.get(call.iteration_key))
-            handles = {**state_handles, **view.handles}
+            graph = tf.compat.v1.get_default_graph()
 
-            def gradient(name):
-                owner, key, dtype = call.gradient_tensors[name]
-                if owner != update.name:
-                    raise NotImplementedError(
-                        f"{call.optimizer_name}'s update of '{update.name}' reads the "
-                        f"gradient of '{owner}'; AutoDist cannot rewrite that update.")
-                return _component(view.gradient, key, dtype, update.variable)
+            def stage(handles: dict, gradient_value) -> list:
+                def gradient(name):
+                    owner, key, dtype = call.gradient_tensors[name]
+                    if owner != update.name:
+                        raise NotImplementedError(
+                            f"{call.optimizer_name}'s update of '{update.name}' reads the "
+                            f"gradient of '{owner}'; AutoDist cannot rewrite that update.")
+                    return _component(gradient_value, key, dtype, update.variable)
 
-            inputs = self._inputs(ops, gradient, handles, common)
+                inputs = self._inputs(ops, gradient, {**state_handles, **handles}, common, graph)
+                return self._writes(self._import(ops, _captured(inputs),
+                                                 f"keras_update/{update.variable.op.name}"))
+
             # The traced step writes the variable after the forward pass has read it;
             # those control edges lead out of the update and are not imported. Writes
             # that do not read the gradient (AdamW's weight decay) would otherwise race
             # the replicas' reads: the stage waits for the mean gradient, which the
             # replicas compute from what they read. It also waits for the common
-            # stage's writes, whose state it may read (Nadam's momentum product), and
-            # for the mode's gathering of rows.
+            # stage's writes, whose state it may read (Nadam's momentum product).
             with tf.control_dependencies(
                     tf.nest.flatten(update.gradient, expand_composites=True)
-                    + self._writes(common) + view.ready):
-                writes = self._import(ops, inputs, f"keras_update/{update.variable.op.name}")
-        return view.finish(self._writes(writes))
+                    + self._writes(common)):
+                return mode.apply(state, update.gradient,
+                                  self._non_slots.get(call.iteration_key), stage)
 
     def apply_alone(self, update: PartUpdate, mode: UpdateMode) -> tf.Operation:
         """Updates ``update``'s copy alone, as ``mode`` says, with the other variables'
@@ -447,10 +449,12 @@ class KerasUpdate:
                 handles[update.name] = update.variable.handle
         return self._inputs(call.stages.common, gradient, handles, {})
 
-    def _inputs(self, ops, gradient, handles: dict, common: dict) -> dict:
-        """The input map of a stage: its outside reads mapped into the distributed graph."""
+    def _inputs(self, ops, gradient, handles: dict, common: dict,
+                graph: Optional[tf.Graph] = None) -> dict:
+        """The input map of a stage: its outside reads mapped into the distributed graph
+        (``graph``, by default the current one)."""
         call = self._call
-        graph = tf.compat.v1.get_default_graph()
+        graph = graph or tf.compat.v1.get_default_graph()
         mapped = {}
         for node_name in ops:
             for inp in call.nodes[node_name].input:
@@ -667,6 +671,14 @@ def _piece(value: np.ndarray, update: Optional[PartUpdate]) -> np.ndarray:
         value = value.reshape(-1)[offset:offset + size]
         value = np.pad(value, (0, size - len(value)))
     return value
+
+
+def _captured(inputs: dict) -> dict:
+    """``inputs`` usable in the current graph: inside a branch of a ``tf.cond``,
+    ``import_graph_def`` takes only that branch's tensors, so the outer ones are
+    captured into it."""
+    graph = tf.compat.v1.get_default_graph()
+    return {name: t if t.graph is graph else tf.identity(t) for name, t in inputs.items()}
 
 
 def _component(gradient, key: str, dtype: tf.DType, variable: Optional[tf.Variable]

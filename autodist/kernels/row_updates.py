@@ -9,12 +9,11 @@ touched rows alone gives the same table: the rows of the copy and of its slots a
 gathered into scratch variables of as many rows, the unchanged traced per-variable
 stage runs on them, with the gradient's ids renumbered into them, and the rows are
 written back. ``KerasOptimizerCall.update_modes`` decides, per variable, from the traced
-update itself (``autodist/keras/update.py``), which imports its stages against the
-``PartView`` a mode gives.
+update itself (``autodist/keras/update.py``), which hands each mode the import of its
+per-variable stage.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Dict, Optional
 
 import tensorflow as tf
@@ -23,22 +22,9 @@ from autodist.graph_item import (UPDATE_BY_ROWS, UPDATE_BY_ROWS_AFTER_FIRST, UPD
                                  UPDATE_DENSE, PartUpdate)
 
 
-@dataclasses.dataclass(frozen=True)
-class PartView:
-    """What a per-variable stage is imported against.
-
-    Attributes:
-        handles: state key (the variable's name, its slots' keys) -> the resource
-            handle the stage reads and writes.
-        gradient: the gradient the stage reads.
-        ready: ops to run before the stage.
-        finish: turns the stage's write ops into the op ending this copy's update.
-    """
-
-    handles: Dict[str, tf.Tensor]
-    gradient: object
-    ready: list
-    finish: Callable[[list], tf.Operation]
+# Imports a variable's traced per-variable stage against (state key -> the resource
+# handle it reads and writes, the gradient it reads); returns the stage's write ops.
+Stage = Callable[[Dict[str, tf.Tensor], object], list]
 
 
 class UpdateMode:
@@ -50,15 +36,17 @@ class UpdateMode:
 
     name = ""
 
-    def view(self, state: Dict[str, tf.Variable], gradient,
-             iteration: Optional[tf.Variable]) -> PartView:
-        """The handles and gradient this copy's stage runs against.
+    def apply(self, state: Dict[str, tf.Variable], gradient, iteration: Optional[tf.Variable],
+              stage: Stage) -> tf.Operation:
+        """Runs ``stage`` on this copy; returns the op ending its update.
 
         Args:
             state: key -> the copy's variable and each of its slots.
             gradient: the copy's mean gradient.
             iteration: the optimizer's iteration count, read before this step's
                 increment, or None.
+            stage: imports the traced per-variable stage (may be called inside a
+                branch of a ``tf.cond``).
         """
         raise NotImplementedError
 
@@ -68,9 +56,8 @@ class DenseUpdate(UpdateMode):
 
     name = UPDATE_DENSE
 
-    def view(self, state, gradient, iteration) -> PartView:
-        return PartView({key: v.handle for key, v in state.items()}, gradient, [],
-                        lambda writes: tf.group(*writes))
+    def apply(self, state, gradient, iteration, stage) -> tf.Operation:
+        return tf.group(*stage({key: v.handle for key, v in state.items()}, gradient))
 
 
 class RowUpdate(UpdateMode):
@@ -82,49 +69,48 @@ class RowUpdate(UpdateMode):
 
     name = UPDATE_BY_ROWS
 
-    def _rows(self, indices: tf.Tensor, num_rows: tf.Tensor,
-              iteration: Optional[tf.Variable]) -> tuple:
-        """(the copy's rows the stage runs on, each gradient entry's row among them)."""
-        return tf.unique(indices, out_idx=tf.int64)
-
-    def view(self, state, gradient, iteration) -> PartView:
+    def apply(self, state, gradient, iteration, stage) -> tf.Operation:
         if not isinstance(gradient, tf.IndexedSlices):  # synchronized dense: every row
-            return DenseUpdate().view(state, gradient, iteration)
-        some = next(iter(state.values()))
-        indices = tf.cast(gradient.indices, tf.int64)
-        rows, local = self._rows(indices, tf.shape(some, out_type=tf.int64)[0], iteration)
-        scratch, ready = {}, []
-        for key, variable in state.items():
-            handle, assign = _scratch_rows(variable, rows)
-            scratch[key], ready = handle, ready + [assign]
-        trailing = tf.shape(gradient.values, out_type=tf.int64)[1:]
-        rows_gradient = tf.IndexedSlices(
-            gradient.values, local, tf.concat([tf.shape(rows, out_type=tf.int64), trailing], 0))
-
-        def finish(writes):
-            with tf.control_dependencies(writes):
-                back = [tf.raw_ops.ResourceScatterUpdate(
-                    resource=state[key].handle, indices=rows,
-                    updates=tf.raw_ops.ReadVariableOp(resource=handle,
-                                                      dtype=state[key].dtype.base_dtype))
-                    for key, handle in scratch.items()]
-            return tf.group(*back)
-
-        return PartView(scratch, rows_gradient, ready, finish)
+            return DenseUpdate().apply(state, gradient, iteration, stage)
+        touched = _TouchedRows(state, gradient)
+        with tf.control_dependencies(touched.gathers):
+            return touched.update(stage)
 
 
 class RowUpdateAfterFirst(RowUpdate):
     """Every row at the first step (iteration 0), the touched rows after it: for an
     update whose first step moves rows without gradient (Keras's FTRL sets them to
-    their fixed point) and that leaves them as they are from then on."""
+    their fixed point) and that leaves them as they are from then on.
+
+    The first step runs the stage in place on the copy itself, as ``DenseUpdate``
+    does, so it needs no more memory than Keras's own step. Each branch of a
+    ``tf.cond`` imports the stage on its own: only the taken branch's writes run.
+    (A ``tf.cond`` choosing between resource handles does not work: on TF 2.21 it
+    returned the first branch's handle whatever the predicate.)
+    """
 
     name = UPDATE_BY_ROWS_AFTER_FIRST
 
-    def _rows(self, indices, num_rows, iteration):
+    def apply(self, state, gradient, iteration, stage) -> tf.Operation:
+        if not isinstance(gradient, tf.IndexedSlices):
+            return DenseUpdate().apply(state, gradient, iteration, stage)
         first = tf.equal(tf.raw_ops.ReadVariableOp(resource=iteration.handle,
                                                    dtype=iteration.dtype.base_dtype), 0)
-        return tf.cond(first, lambda: (tf.range(num_rows), indices),
-                       lambda: tuple(tf.unique(indices, out_idx=tf.int64)))
+        # Gathered at every step, the first too: a few rows, and the gathers stay in
+        # this graph, where a step's trace shows how many rows each took.
+        touched = _TouchedRows(state, gradient)
+
+        def branch(update: Callable[[], tf.Operation]) -> Callable[[], tf.Tensor]:
+            def run():
+                with tf.control_dependencies([update()]):
+                    return tf.constant(True)
+            return run
+
+        with tf.control_dependencies(touched.gathers):
+            done = tf.cond(first,
+                           branch(lambda: DenseUpdate().apply(state, gradient, iteration, stage)),
+                           branch(lambda: touched.update(stage)))
+        return done.op
 
 
 class LazyRowUpdate(RowUpdate):
@@ -144,6 +130,39 @@ def mode_of(update: PartUpdate) -> UpdateMode:
     a flattened part (a dense gradient) runs dense."""
     return UPDATE_MODES[update.update_mode if update.update_mode and update.shard is None
                         else UPDATE_DENSE]
+
+
+class _TouchedRows:
+    """Scratch copies of the rows a copy's sparse gradient names, each once, of the
+    copy and of each of its slots, with the gradient's ids renumbered into them.
+
+    Attributes:
+        gathers: the ops filling the scratch copies; run them before ``update``.
+    """
+
+    def __init__(self, state: Dict[str, tf.Variable], gradient: tf.IndexedSlices):
+        self._state = state
+        indices = tf.cast(gradient.indices, tf.int64)
+        self._rows, local = tf.unique(indices, out_idx=tf.int64)
+        self._scratch, self.gathers = {}, []
+        for key, variable in state.items():
+            self._scratch[key], gather = _scratch_rows(variable, self._rows)
+            self.gathers.append(gather)
+        trailing = tf.shape(gradient.values, out_type=tf.int64)[1:]
+        self._gradient = tf.IndexedSlices(
+            gradient.values, local,
+            tf.concat([tf.shape(self._rows, out_type=tf.int64), trailing], 0))
+
+    def update(self, stage: Stage) -> tf.Operation:
+        """Runs ``stage`` on the scratch rows and writes them back into the copy."""
+        writes = stage(self._scratch, self._gradient)
+        with tf.control_dependencies(writes):
+            back = [tf.raw_ops.ResourceScatterUpdate(
+                resource=self._state[key].handle, indices=self._rows,
+                updates=tf.raw_ops.ReadVariableOp(resource=handle,
+                                                  dtype=self._state[key].dtype.base_dtype))
+                for key, handle in self._scratch.items()]
+        return tf.group(*back)
 
 
 def _scratch_rows(variable: tf.Variable, rows: tf.Tensor) -> tuple:
