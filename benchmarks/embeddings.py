@@ -1,12 +1,18 @@
 """Embedding tables of growing size: step time and peak memory per node, AutoDist against its peers.
 
-The model, as a Keras 3 user writes it: ``Input((8,), int32 ids) ->
-Embedding(ROWS, 64) -> GlobalAveragePooling1D (the mean of the 8 rows) ->
-Dense(256, relu) -> Dense(1)``, mean squared error, trained with ``model.fit``
-on synthetic numpy data: ids drawn uniformly over the whole table (so the 2048
-lookups of a node's step touch about 2030 distinct rows of a 100k-row table and
-nearly 2048 of the larger ones), targets standard normal. Every node fits 256
-rows per step.
+The models (``--model``), as a Keras 3 user writes them, trained with
+``model.fit`` on synthetic numpy data; every node fits 256 rows per step:
+
+* ``one_table`` (the default): ``Input((8,), int32 ids) -> Embedding(ROWS, 64) ->
+  GlobalAveragePooling1D (the mean of the 8 rows) -> Dense(256, relu) -> Dense(1)``,
+  mean squared error; ids drawn uniformly over the whole table (so the 2048 lookups
+  of a node's step touch about 2030 distinct rows of a 100k-row table and nearly
+  2048 of the larger ones), targets standard normal.
+* ``dlrm``: a DLRM-style ranking model (``Dlrm``): 13 dense features through a
+  bottom MLP, 4 categorical features of one id each in tables of ROWS, ROWS/4,
+  ROWS/16 and ROWS/64 rows, DLRM's dot interaction, a top MLP, binary
+  cross-entropy. Issue 57 asks for it with Adagrad (``--optimizers adagrad``). It
+  writes its own section; only the memory goal below is checked on it.
 
 Table sizes (``--rows``): 100k, 1M and 10M rows (25.6 MB, 256 MB and 2.56 GB of
 float32). Optimizers (``--optimizers``, default all five): Keras ``SGD(0.01)``,
@@ -86,6 +92,7 @@ Usage (root and iproute2 for the cluster setting):
     python benchmarks/embeddings.py --settings one_node --optimizers adagrad \\
         --builders PartitionedPS --systems "Keras (one device)"   # issue 57's 3x goal
     python benchmarks/embeddings.py --settings cluster --builders PartitionedPS --systems
+    python benchmarks/embeddings.py --model dlrm --optimizers adagrad   # the DLRM-style model
 
 The tables are printed and, unless ``--no-write``, written into ``--out``
 between ``<!-- embeddings:begin -->`` and ``<!-- embeddings:end -->`` (with a
@@ -122,6 +129,9 @@ DIM = 64
 HIDDEN = 256
 ROWS_PER_NODE = 256
 DEFAULT_ROWS = (100_000, 1_000_000, 10_000_000)
+DENSE_FEATURES = 13  # as Criteo's, which DLRM was made for
+DLRM_SHARES = (1, 1 / 4, 1 / 16, 1 / 64)
+"""The DLRM-style model's tables, in rows over ``--rows``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,37 +211,133 @@ _GiB = 2 ** 30
 
 # --------------------------------------------------------------------------- the jobs
 
-def build_model(table_rows: int, optimizer: str, sequential=None, wrap_optimizer=None):
-    """The embedding model, compiled with ``optimizer`` and mean squared error.
-
-    Only API Keras 2 and 3 share, so Horovod's job (TensorFlow 2.15's Keras 2)
-    builds the same model; ``sequential`` and ``wrap_optimizer`` as for
-    ``keras_step_time.build_model``.
-    """
+def _compiled(model, optimizer: str, wrap_optimizer, loss):
     import keras
-    model = (sequential or keras.Sequential)([
-        keras.Input((IDS_PER_EXAMPLE,), dtype="int32"),
-        keras.layers.Embedding(table_rows, DIM),
-        keras.layers.GlobalAveragePooling1D(),
-        keras.layers.Dense(HIDDEN, activation="relu"),
-        keras.layers.Dense(1)])
     chosen = getattr(keras.optimizers, OPTIMIZERS[optimizer].keras_class)(OPTIMIZERS[optimizer].rate)
-    model.compile(optimizer=wrap_optimizer(chosen) if wrap_optimizer else chosen, loss="mse")
+    model.compile(optimizer=wrap_optimizer(chosen) if wrap_optimizer else chosen, loss=loss)
     return model
 
 
-def synthetic_data(table_rows: int, seed: int, rows: int):
-    """``rows`` examples: ids uniform over the table, standard normal targets."""
-    import numpy as np
-    rng = np.random.RandomState(seed)
-    return (rng.randint(0, table_rows, size=(rows, IDS_PER_EXAMPLE)).astype(np.int32),
-            rng.standard_normal((rows, 1)).astype(np.float32))
+class OneTable:
+    """One table: ``Input(8 ids) -> Embedding(rows, 64) -> mean -> Dense(256, relu) ->
+    Dense(1)``, mean squared error; ids uniform over the table, standard normal targets.
+
+    Only API Keras 2 and 3 share, so Horovod's job (TensorFlow 2.15's Keras 2) builds
+    the same model; ``sequential`` and ``wrap_optimizer`` as for
+    ``keras_step_time.build_model``.
+    """
+
+    name = "one_table"
+    title, anchor = TITLE, ANCHOR
+    begin, end = BEGIN, END
+    unsupported: dict = {}
+
+    def __init__(self, table_rows: int):
+        self.tables = [table_rows]
+
+    def build(self, optimizer: str, sequential=None, wrap_optimizer=None):
+        import keras
+        model = (sequential or keras.Sequential)([
+            keras.Input((IDS_PER_EXAMPLE,), dtype="int32"),
+            keras.layers.Embedding(self.tables[0], DIM),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(HIDDEN, activation="relu"),
+            keras.layers.Dense(1)])
+        return _compiled(model, optimizer, wrap_optimizer, "mse")
+
+    def data(self, seed: int, rows: int):
+        """``rows`` examples: ids uniform over the table, standard normal targets."""
+        import numpy as np
+        rng = np.random.RandomState(seed)
+        return (rng.randint(0, self.tables[0], size=(rows, IDS_PER_EXAMPLE)).astype(np.int32),
+                rng.standard_normal((rows, 1)).astype(np.float32))
+
+    @staticmethod
+    def describe(sizes: str) -> str:
+        return (f"Keras `fit` of `Input({IDS_PER_EXAMPLE} ids) -> Embedding(rows, {DIM}) -> mean "
+                f"-> Dense({HIDDEN}, relu) -> Dense(1)` (mean squared error, ids uniform over the "
+                f"table, {ROWS_PER_NODE} rows per node per step), tables of {sizes} of float32")
+
+
+class Dlrm(OneTable):
+    """A DLRM-style ranking model, as recommender users build it in Keras: dense features
+    through a bottom MLP; one id per categorical feature, each looked up in its own table
+    (``DLRM_SHARES`` of the rows); the pairwise dot products of the bottom MLP's output and
+    the looked-up vectors (DLRM's dot interaction), beside that output, through a top MLP to
+    one logit; binary cross-entropy against random 0/1 labels. Keras 2 and 3 API only.
+
+    ``MultiWorkerMirroredStrategy`` is not run: Keras 3's ``fit`` fails under it with
+    several workers, and the work-around (``keras_step_time._mwms_sequential``) is for a
+    ``Sequential`` model."""
+
+    name = "dlrm"
+    title, anchor = next(s for s in report.SECTIONS if s[0].endswith("(`embeddings --model dlrm`)"))
+    begin, end = "<!-- embeddings-dlrm:begin -->", "<!-- embeddings-dlrm:end -->"
+    unsupported = {MWMS: "Keras 3's fit fails under MultiWorkerMirroredStrategy with several "
+                         "workers (keras-team/keras#20585); the work-around is for Sequential models"}
+
+    def __init__(self, table_rows: int):
+        self.tables = [max(1, int(table_rows * share)) for share in DLRM_SHARES]
+
+    def build(self, optimizer: str, sequential=None, wrap_optimizer=None):
+        import keras
+        dense = keras.Input((DENSE_FEATURES,), name="dense_features")
+        ids = [keras.Input((1,), dtype="int32", name=f"ids_{i}") for i in range(len(self.tables))]
+        bottom = keras.layers.Dense(HIDDEN, activation="relu")(dense)
+        bottom = keras.layers.Dense(DIM, activation="relu")(bottom)
+        vectors = [keras.layers.Reshape((1, DIM))(bottom)] + [
+            keras.layers.Embedding(rows, DIM, name=f"table_{i}")(feature)
+            for i, (rows, feature) in enumerate(zip(self.tables, ids))]
+        stacked = keras.layers.Concatenate(axis=1)(vectors)
+        top = keras.layers.Concatenate()([bottom, _dot_interaction()(stacked)])
+        top = keras.layers.Dense(HIDDEN, activation="relu")(top)
+        model = keras.Model([dense, *ids], keras.layers.Dense(1)(top))
+        return _compiled(model, optimizer, wrap_optimizer,
+                         keras.losses.BinaryCrossentropy(from_logits=True))
+
+    def data(self, seed: int, rows: int):
+        """``rows`` examples: standard normal dense features, ids uniform over each table,
+        0/1 labels."""
+        import numpy as np
+        rng = np.random.RandomState(seed)
+        x = [rng.standard_normal((rows, DENSE_FEATURES)).astype(np.float32)] + [
+            rng.randint(0, size, size=(rows, 1)).astype(np.int32) for size in self.tables]
+        return x, rng.randint(0, 2, size=(rows, 1)).astype(np.float32)
+
+    @staticmethod
+    def describe(sizes: str) -> str:
+        shares = ", ".join(f"1/{round(1 / s)}" if s < 1 else "1" for s in DLRM_SHARES)
+        return (f"Keras `fit` of a DLRM-style model: {DENSE_FEATURES} dense features through "
+                f"`Dense({HIDDEN}, relu) -> Dense({DIM}, relu)`; {len(DLRM_SHARES)} categorical "
+                f"features, one id each, in tables of {shares} of the rows, {DIM} columns; the "
+                "pairwise dot products of the dense output and the 4 vectors beside the dense "
+                f"output, then `Dense({HIDDEN}, relu) -> Dense(1)`, binary cross-entropy "
+                f"({ROWS_PER_NODE} rows per node per step; ids uniform over each table); rows "
+                f"of the largest table: {sizes}")
+
+
+def _dot_interaction():
+    """DLRM's dot interaction: each pair of the stacked vectors' dot product, once."""
+    import keras
+    import tensorflow as tf
+
+    class DotInteraction(keras.layers.Layer):
+        def call(self, stacked):
+            count = stacked.shape[1]
+            products = tf.reshape(tf.matmul(stacked, stacked, transpose_b=True), [-1, count * count])
+            return tf.gather(products, [i * count + j for i in range(count)
+                                        for j in range(i + 1, count)], axis=1)
+
+    return DotInteraction()
+
+
+MODELS = {model.name: model for model in (OneTable, Dlrm)}
 
 
 def run_job(args) -> None:
     """This process's part of a job (``--_job``), on the model and data of ``args``."""
-    model = functools.partial(build_model, args.table_rows, args.optimizer)
-    data = functools.partial(synthetic_data, args.table_rows)
+    chosen = MODELS[args.model](args.table_rows)
+    model, data = functools.partial(chosen.build, args.optimizer), chosen.data
     if args._job == "horovod":  # pylint: disable=protected-access
         horovod_peer.job(args.warmup, args.timed, model, data, args.rows_per_replica)
         return
@@ -263,7 +369,8 @@ def job_args(kind: str, case, *extra: str) -> list:
     rows, the optimizer and the rows per replica)."""
     return [os.path.abspath(__file__), "--_job", kind, *extra,
             "--warmup", str(case.warmup), "--timed", str(case.timed),
-            "--table-rows", str(case.table_rows), "--optimizer", case.optimizer,
+            "--model", case.model, "--table-rows", str(case.table_rows),
+            "--optimizer", case.optimizer,
             "--rows-per-replica", str(case.rows_per_replica)]
 
 
@@ -274,8 +381,9 @@ def job_argv(kind: str, case, *extra: str) -> list:
 
 # --------------------------------------------------------------------------- memory
 
-def table_gb(table_rows: int) -> float:
-    return table_rows * DIM * 4 / _GiB
+def table_gb(table_rows: int, model=None) -> float:
+    """The bytes of ``model``'s tables (default ``OneTable``) at ``table_rows`` rows, GiB."""
+    return sum((model or OneTable)(table_rows).tables) * DIM * 4 / _GiB
 
 
 def available_gb() -> float:
@@ -287,7 +395,8 @@ def available_gb() -> float:
 class MemoryEstimates:
     """Peak memory per process, measured and estimated, per (setting, optimizer, system)."""
 
-    def __init__(self):
+    def __init__(self, model=None):
+        self.model = model or OneTable
         self.peaks = {}  # key -> {table rows: largest per-process peak seen, GiB}
         self.out_of_memory = {}  # key -> the smallest table rows whose job the watchdog stopped
 
@@ -301,13 +410,14 @@ class MemoryEstimates:
     def per_process_gb(self, key: tuple, table_rows: int, slots: int) -> float:
         """The estimate of the module's docstring; for a table the system already ran
         with, its measured peak."""
-        state = table_gb(table_rows) * (1 + slots)
+        state = table_gb(table_rows, self.model) * (1 + slots)
         a_priori = BASE_GB + GROWTH * state
         points = self.peaks.get(key, {})
         if table_rows in points:
             return points[table_rows]
-        smaller = sorted((table_gb(r), peak) for r, peak in points.items() if r < table_rows)
-        size = table_gb(table_rows)
+        smaller = sorted((table_gb(r, self.model), peak) for r, peak in points.items()
+                         if r < table_rows)
+        size = table_gb(table_rows, self.model)
         if len(smaller) >= 2:
             (t1, p1), (t2, p2) = smaller[-2:]
             return max(p2, p2 + (p2 - p1) / (t2 - t1) * (size - t2))
@@ -440,6 +550,9 @@ def measure(setting: str, args, memory: MemoryEstimates) -> dict:
 
 def _run_job(spec: str, cluster, ports, case, system: str) -> dict:
     """One job of ``system`` on ``case``: on this machine without ``cluster``, else on it."""
+    why = MODELS[case.model].unsupported.get(system)
+    if why:
+        return {"system": system, "skipped": True, "error": f"skipped: not supported ({why})"}
     if system == HOROVOD:
         if case.horovod_error:
             return {"system": system, "error": case.horovod_error}
@@ -581,7 +694,14 @@ def _best_builder_cell(table: dict, optimizer: str, table_rows: int, reference: 
 def goal_verdicts(tables: dict, args) -> list:
     """(goal text, {setting: (outcome, cell text)}) for each goal, over the settings run;
     the outcome is True (met), False (missed), None (not measured) or INFORMATIVE (a figure
-    where the goal does not apply)."""
+    where the goal does not apply). The step-time goals are set on the one-table model, the
+    memory goal on every model."""
+    model = MODELS[args.model]
+    return (_step_goals(tables, args) if model is OneTable else []) + _memory_goals(tables, args,
+                                                                                   model)
+
+
+def _step_goals(tables: dict, args) -> list:
     out = []
     for builder, optimizer, informative in SCALING_GOALS:
         cells = {setting: _scaling_cell(table, builder, optimizer, args, setting in informative)
@@ -606,6 +726,11 @@ def goal_verdicts(tables: dict, args) -> list:
     out.append((f"best AutoDist builder >= {GOAL_KERAS:.0f}x `{KERAS}` at "
                 f"{_label(GOAL_KERAS_ROWS)} rows ({OPTIMIZERS[GOAL_KERAS_OPTIMIZER].label}, one node)",
                 cells))
+    return out
+
+
+def _memory_goals(tables: dict, args, model) -> list:
+    out = []
     for optimizer in args.optimizers:
         slots = OPTIMIZERS[optimizer].slots
         cells = {}
@@ -615,7 +740,7 @@ def goal_verdicts(tables: dict, args) -> list:
                 row = rows.get("PartitionedPS", {})
                 if opt != optimizer or row.get("peak_gb") is None:
                     continue
-                share = table_gb(table_rows) * (1 + slots) / PROCESSES[setting]
+                share = table_gb(table_rows, model) * (1 + slots) / PROCESSES[setting]
                 allowed = share + GOAL_RSS_EXTRA_GB
                 checked += 1
                 if worst is None or row["peak_gb"] - allowed > worst[0] - worst[1]:
@@ -731,15 +856,11 @@ def format_section(tables: dict, verdicts: list, args, command: str, info: dict,
               f"{outcomes.count(False)} **missed**, {outcomes.count(None)} not measured "
               "(informative cells left out)")
     settings = list(tables)
-    sizes = ", ".join(f"{_label(r)} ({_bytes(table_gb(r) * _GiB)})" for r in args.rows)
-    lines = [
-        BEGIN, f"## {TITLE}", "",
-        f"**Measures:** Keras `fit` of `Input({IDS_PER_EXAMPLE} ids) -> Embedding(rows, {DIM}) "
-        f"-> mean -> Dense({HIDDEN}, relu) -> Dense(1)` (mean squared error, ids uniform over "
-        f"the table, {ROWS_PER_NODE} rows per node per step), tables of {sizes} of float32, "
-        "under AutoDist's builders, its peers and plain Keras; median step over interleaved "
-        "rounds, each run a fresh job, and each run's largest peak resident memory over its "
-        "processes (largest over rounds).", "",
+    model = MODELS[args.model]
+    in_all = " in all" if len(model(1).tables) > 1 else ""
+    sizes = ", ".join(f"{_label(r)} ({_bytes(table_gb(r, model) * _GiB)}{in_all})"
+                      for r in args.rows)
+    goals = ([
         "**Goal** (issue 31): with SGD, `PartitionedPS` and `Parallax` step at 10M rows at most "
         "1.5x their step at 100k; the best builder at least 2x Horovod's step rate at 1M and "
         "10M rows; `PartitionedPS`'s peak memory per node at most its share of the table "
@@ -748,7 +869,18 @@ def format_section(tables: dict, verdicts: list, args, command: str, info: dict,
         f"one node with Adagrad and 10M rows, the best builder at least 3x as fast as `{KERAS}`; "
         "on the cluster with Adagrad and 1M rows, at least 2x Horovod's step rate; "
         "with SGD, Adagrad and FTRL, `PartitionedPS`'s step at 10M rows at most 1.5x its step "
-        f"at 100k on the cluster (one node: informative). **Result:** {result}.", "",
+        f"at 100k on the cluster (one node: informative). **Result:** {result}.", ""]
+             if model is OneTable else [
+        "**Goal:** `PartitionedPS`'s peak memory per node at most its share of the tables (with "
+        "slots) plus 1.5 GB; the step times are shown beside the one-table model's goals, not "
+        f"checked. **Result:** {result}.", ""])
+    lines = [
+        model.begin, f"## {model.title}", "",
+        f"**Measures:** {model.describe(sizes)}, "
+        "under AutoDist's builders, its peers and plain Keras; median step over interleaved "
+        "rounds, each run a fresh job, and each run's largest peak resident memory over its "
+        "processes (largest over rounds).", "",
+        *goals,
         "| goal | " + " | ".join(SHORT[s] for s in settings) + " |",
         "|---|" + "--:|" * len(settings),
         *["| " + goal + " | " + " | ".join(cells[s][1] for s in settings) + " |"
@@ -791,7 +923,7 @@ def format_section(tables: dict, verdicts: list, args, command: str, info: dict,
     problems = _problems(tables)
     if problems:
         lines += ["Runs that failed or were skipped:", "", *[f"- {p}" for p in problems], ""]
-    lines += [f"How Horovod and `MultiWorkerMirroredStrategy` run: [notes]({NOTES}).", END]
+    lines += [f"How Horovod and `MultiWorkerMirroredStrategy` run: [notes]({NOTES}).", model.end]
     return "\n".join(lines)
 
 
@@ -805,6 +937,11 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", nargs="+", type=int, default=list(DEFAULT_ROWS),
                         help="table sizes, in rows of 64 floats (default: 100000 1000000 "
                              "10000000)")
+    parser.add_argument("--model", choices=tuple(MODELS), default=OneTable.name,
+                        help="one_table: one table, its ids averaged; dlrm: a DLRM-style model "
+                             "of 4 tables (--rows rows, 1/4, 1/16, 1/64 of them), dense "
+                             "features and a dot interaction; each writes its own section "
+                             f"(default: {OneTable.name})")
     parser.add_argument("--optimizers", nargs="+", choices=tuple(OPTIMIZERS),
                         default=list(OPTIMIZERS),
                         help="Keras optimizers: " + ", ".join(
@@ -865,12 +1002,13 @@ def _run(parser, args) -> int:
     runs_horovod = HOROVOD in args.systems and "cluster" in args.settings
     horovod_versions = (horovod_peer.versions(args.horovod_venv)
                         if runs_horovod and not args.horovod_error else "")
-    print(f"tables {', '.join(f'{_label(r)} rows ({table_gb(r):.2f} GiB)' for r in args.rows)}; "
+    model = MODELS[args.model]
+    print(f"model {model.name}; tables {', '.join(f'{_label(r)} rows ({table_gb(r, model):.2f} GiB)' for r in args.rows)}; "
           f"optimizers {args.optimizers}; builders {args.builders}; others {args.systems}; "
           f"{available_gb():.1f} GiB available; Horovod: {horovod_versions or 'not run'}",
           flush=True)
     start, start_load = time.perf_counter(), report.machine_info()["load"]
-    memory, tables = MemoryEstimates(), {}
+    memory, tables = MemoryEstimates(MODELS[args.model]), {}
     for setting in args.settings:
         tables[setting] = summarize(setting, measure(setting, args, memory))
     elapsed = time.perf_counter() - start
@@ -894,11 +1032,12 @@ def _run(parser, args) -> int:
     if not args.no_write:
         command = report.command_line("benchmarks/embeddings.py", parser, args,
                                       skip=("out", "no_write", "horovod_venv"))
+        model = MODELS[args.model]
         report.write_section(args.out, format_section(tables, verdicts, args, command, info,
                                                       start_load, elapsed, horovod_versions),
-                             BEGIN, END)
-        report.add_contents_entry(args.out, TITLE, ANCHOR)
-        print(f"wrote the embeddings section of {args.out}")
+                             model.begin, model.end)
+        report.add_contents_entry(args.out, model.title, model.anchor)
+        print(f"wrote the section {model.title!r} of {args.out}")
     return 1 if any(m is False for _, cells in verdicts for m, _ in cells.values()) else 0
 
 

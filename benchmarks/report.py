@@ -65,6 +65,8 @@ SECTIONS = (
      "start-up-and-memory-vs-the-models-bytes-model_scale"),
     ("Embedding tables: step time and memory by table size (`embeddings`)",
      "embedding-tables-step-time-and-memory-by-table-size-embeddings"),
+    ("Embedding tables: a DLRM-style model (`embeddings --model dlrm`)",
+     "embedding-tables-a-dlrm-style-model-embeddings---model-dlrm"),
     ("A table larger than one node (`table_over_node`)",
      "a-table-larger-than-one-node-table_over_node"),
     ("Multi-input multi-output Keras model: step time (`keras_mimo`)",
