@@ -35,7 +35,8 @@ from autodist.graph_item import (RESOURCE_WRITES, UPDATE_BY_ROWS, UPDATE_BY_ROWS
                                  UPDATE_DENSE, PartUpdate, op_name, tensor_name,
                                  through_identities)
 from autodist.kernels import partitioner
-from autodist.kernels.row_updates import DenseUpdate, RowUpdate, UpdateMode, mode_of
+from autodist.kernels.row_updates import (DenseUpdate, RowUpdate, RowUpdateAfterFirst, UpdateMode,
+                                         mode_of)
 from autodist.partition import PartitionPlan
 
 # Ops whose result on a part of a variable is not that part of their result on it.
@@ -507,7 +508,9 @@ class _SampleRowsCheck:
     only a reached state shows them move), at the first iteration and a late one.
 
     Outcome: by rows where everything holds; by rows after the first step where only
-    the first step moves untouched rows (Keras's FTRL); else dense.
+    the first step moves untouched rows (Keras's FTRL) and a third copy, run as
+    ``RowUpdateAfterFirst`` in chunks of 2 rows, equals the dense one bitwise at the
+    first iteration; else dense.
     """
 
     def __init__(self, call: KerasOptimizerCall, names: list):
@@ -553,7 +556,10 @@ class _Sample:
                                     tf.constant([_SAMPLE_ROWS, *shape[1:]], tf.int64))
         plan = PartitionPlan(0, (_SAMPLE_ROWS, shape[0] - _SAMPLE_ROWS), tuple(shape))
         self._copies = []
-        for mode in (DenseUpdate(), RowUpdate()):
+        modes = [DenseUpdate(), RowUpdate()]
+        if call.iteration_key is not None:  # the first step in chunks of 2 of the 6 rows
+            modes.append(RowUpdateAfterFirst(chunk_rows=2))
+        for mode in modes:
             update = KerasUpdate(call)
             table = tf.Variable(tf.zeros([_SAMPLE_ROWS, *shape[1:]], self._dtype),
                                 name=f"{name}/sample")
@@ -573,7 +579,7 @@ class _Sample:
     def decide(self, session: tf.compat.v1.Session) -> tuple:
         """(update mode, why it is dense), from runs of both copies in ``session``."""
         rng = np.random.default_rng(0)
-        dense, rows = self._copies
+        dense, rows, *after_first = self._copies
 
         def gradient(ids):
             values = rng.normal(size=(len(ids), *self._values.shape[1:]))
@@ -588,23 +594,28 @@ class _Sample:
         reached = dense.read(session)
         iterations = (None,) if self._iteration is None else (0, _LATE_ITERATION)
         outcome = {}  # (state, iteration) -> (untouched rows moved, by rows == dense)
+        first_step_same = True  # RowUpdateAfterFirst == dense at iteration 0
         for label, state in (("start", start), ("reached", reached)):
             for iteration in iterations:
                 if iteration is not None:
                     state = list(state)
                     state[self._iteration] = np.array(iteration, state[self._iteration].dtype)
-                dense.write(session, state)
-                rows.write(session, state)
-                session.run([dense.finish, rows.finish], gradient(_SAMPLE_IDS))
+                for copy in self._copies:
+                    copy.write(session, state)
+                session.run([copy.finish for copy in self._copies], gradient(_SAMPLE_IDS))
                 after, by_rows = dense.read(session), rows.read(session)
                 moved = any(not np.array_equal(after[i][_UNTOUCHED], state[i][_UNTOUCHED])
                             or not np.isfinite(after[i]).all() for i in self._rows_like)
                 same = all(np.array_equal(after[i], by_rows[i]) for i in self._rows_like)
                 outcome[label, iteration] = (moved, same)
+                if iteration == 0:
+                    first = after_first[0].read(session)
+                    first_step_same &= all(np.array_equal(after[i], first[i])
+                                           for i in self._rows_like)
         if all(not moved and same for moved, same in outcome.values()):
             return UPDATE_BY_ROWS, ""
-        if self._iteration is not None and all(outcome["reached", iteration] == (False, True)
-                                               for iteration in iterations):
+        if (self._iteration is not None and first_step_same
+                and all(outcome["reached", iteration] == (False, True) for iteration in iterations)):
             return UPDATE_BY_ROWS_AFTER_FIRST, ""
         if any(moved for moved, _ in outcome.values()):
             return UPDATE_DENSE, (f"{self._call.optimizer_name}'s update changes rows that have "

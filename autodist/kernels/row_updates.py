@@ -82,14 +82,20 @@ class RowUpdateAfterFirst(RowUpdate):
     update whose first step moves rows without gradient (Keras's FTRL sets them to
     their fixed point) and that leaves them as they are from then on.
 
-    The first step runs the stage in place on the copy itself, as ``DenseUpdate``
-    does, so it needs no more memory than Keras's own step. Each branch of a
-    ``tf.cond`` imports the stage on its own: only the taken branch's writes run.
-    (A ``tf.cond`` choosing between resource handles does not work: on TF 2.21 it
-    returned the first branch's handle whatever the predicate.)
+    The first step runs the stage on the touched rows with the whole gradient, then on
+    the other rows, ``chunk_rows`` at a time, with none: Keras's dense step holds
+    several temporaries the size of the table, this one the size of a chunk. (A row's
+    update is its own: ``_SampleRowsCheck`` chose this mode only where this first
+    step equals the dense one.) Each branch of a ``tf.cond`` on the iteration imports
+    the stage on its own, and only the taken branch's writes run. (A ``tf.cond``
+    choosing between resource handles does not work: on TF 2.21 it returned the first
+    branch's handle whatever the predicate.)
     """
 
     name = UPDATE_BY_ROWS_AFTER_FIRST
+
+    def __init__(self, chunk_rows: int = 1 << 16):
+        self.chunk_rows = chunk_rows
 
     def apply(self, state, gradient, iteration, stage) -> tf.Operation:
         if not isinstance(gradient, tf.IndexedSlices):
@@ -99,6 +105,11 @@ class RowUpdateAfterFirst(RowUpdate):
         # Gathered at every step, the first too: a few rows, and the gathers stay in
         # this graph, where a step's trace shows how many rows each took.
         touched = _TouchedRows(state, gradient)
+        chunk = {key: _scratch_handle(v, "first_step_rows") for key, v in state.items()}
+
+        def first_step() -> tf.Operation:
+            with tf.control_dependencies([touched.update(stage)]):
+                return self._update_untouched(state, gradient, touched.rows, chunk, stage)
 
         def branch(update: Callable[[], tf.Operation]) -> Callable[[], tf.Tensor]:
             def run():
@@ -107,9 +118,33 @@ class RowUpdateAfterFirst(RowUpdate):
             return run
 
         with tf.control_dependencies(touched.gathers):
-            done = tf.cond(first,
-                           branch(lambda: DenseUpdate().apply(state, gradient, iteration, stage)),
-                           branch(lambda: touched.update(stage)))
+            done = tf.cond(first, branch(first_step), branch(lambda: touched.update(stage)))
+        return done.op
+
+    def _update_untouched(self, state: Dict[str, tf.Variable], gradient: tf.IndexedSlices,
+                          touched: tf.Tensor, scratch: Dict[str, tf.Tensor],
+                          stage: Stage) -> tf.Operation:
+        """Runs ``stage`` with no gradient on the rows not in ``touched``, chunk by chunk."""
+        num_rows = tf.shape(next(iter(state.values())), out_type=tf.int64)[0]
+        untouched = tf.tensor_scatter_nd_update(tf.ones([num_rows], tf.bool), touched[:, None],
+                                                tf.zeros_like(touched, tf.bool))
+        trailing = tf.shape(gradient.values, out_type=tf.int64)[1:]
+        size = tf.constant(self.chunk_rows, tf.int64)
+
+        def update_chunk(index):
+            span = tf.range(index * size, tf.minimum((index + 1) * size, num_rows))
+            rows = tf.boolean_mask(span, tf.gather(untouched, span))
+            no_gradient = tf.IndexedSlices(
+                tf.zeros(tf.concat([[0], trailing], 0), gradient.values.dtype),
+                tf.zeros([0], tf.int64), tf.concat([tf.shape(rows, out_type=tf.int64), trailing], 0))
+            with tf.control_dependencies(_gather_rows(state, scratch, rows)):
+                writes = stage(scratch, no_gradient)
+            with tf.control_dependencies([_write_back(state, scratch, rows, writes)]):
+                return index + 1
+
+        chunks = (num_rows + size - 1) // size
+        [done] = tf.while_loop(lambda index: index < chunks, update_chunk,
+                               [tf.constant(0, tf.int64)])
         return done.op
 
 
@@ -137,51 +172,54 @@ class _TouchedRows:
     copy and of each of its slots, with the gradient's ids renumbered into them.
 
     Attributes:
+        rows: the copy's rows the gradient names, each once.
         gathers: the ops filling the scratch copies; run them before ``update``.
     """
 
     def __init__(self, state: Dict[str, tf.Variable], gradient: tf.IndexedSlices):
         self._state = state
-        indices = tf.cast(gradient.indices, tf.int64)
-        self._rows, local = tf.unique(indices, out_idx=tf.int64)
-        self._scratch, self.gathers = {}, []
-        for key, variable in state.items():
-            self._scratch[key], gather = _scratch_rows(variable, self._rows)
-            self.gathers.append(gather)
+        self.rows, local = tf.unique(tf.cast(gradient.indices, tf.int64), out_idx=tf.int64)
+        self._scratch = {key: _scratch_handle(v, "update_rows") for key, v in state.items()}
+        self.gathers = _gather_rows(state, self._scratch, self.rows)
         trailing = tf.shape(gradient.values, out_type=tf.int64)[1:]
         self._gradient = tf.IndexedSlices(
             gradient.values, local,
-            tf.concat([tf.shape(self._rows, out_type=tf.int64), trailing], 0))
+            tf.concat([tf.shape(self.rows, out_type=tf.int64), trailing], 0))
 
     def update(self, stage: Stage) -> tf.Operation:
         """Runs ``stage`` on the scratch rows and writes them back into the copy."""
-        writes = stage(self._scratch, self._gradient)
-        with tf.control_dependencies(writes):
-            back = [tf.raw_ops.ResourceScatterUpdate(
-                resource=self._state[key].handle, indices=self._rows,
-                updates=tf.raw_ops.ReadVariableOp(resource=handle,
-                                                  dtype=self._state[key].dtype.base_dtype))
-                for key, handle in self._scratch.items()]
-        return tf.group(*back)
+        return _write_back(self._state, self._scratch, self.rows,
+                           stage(self._scratch, self._gradient))
 
 
-def _scratch_rows(variable: tf.Variable, rows: tf.Tensor) -> tuple:
-    """A resource variable of this step's ``rows`` of ``variable``, beside it.
+def _scratch_handle(variable: tf.Variable, purpose: str) -> tf.Tensor:
+    """A resource variable for some rows of ``variable``, beside it.
 
     Raw ops: a scratch is in no collection, never saved, and takes a new number of
-    rows at every step (``validate_shape=False``).
-
-    Returns:
-        (its handle, the op giving it the rows)
+    rows at every use (``_gather_rows``).
     """
-    graph = tf.compat.v1.get_default_graph()
-    dtype = variable.dtype.base_dtype
-    name = graph.unique_name(f"{variable.op.name}/update_rows")
-    handle = tf.raw_ops.VarHandleOp(dtype=dtype, shape=[None, *variable.shape[1:]],
-                                    shared_name=name, name=name)
-    assign = tf.raw_ops.AssignVariableOp(
-        resource=handle, value=tf.raw_ops.ResourceGather(resource=variable.handle,
-                                                         indices=rows, dtype=dtype,
-                                                         name=f"{name}/gather"),
-        validate_shape=False)
-    return handle, assign
+    name = tf.compat.v1.get_default_graph().unique_name(f"{variable.op.name}/{purpose}")
+    return tf.raw_ops.VarHandleOp(dtype=variable.dtype.base_dtype,
+                                  shape=[None, *variable.shape[1:]], shared_name=name, name=name)
+
+
+def _gather_rows(state: Dict[str, tf.Variable], scratch: Dict[str, tf.Tensor],
+                 rows: tf.Tensor) -> list:
+    """The ops giving each scratch handle ``rows`` of its variable."""
+    return [tf.raw_ops.AssignVariableOp(
+        resource=scratch[key],
+        value=tf.raw_ops.ResourceGather(resource=variable.handle, indices=rows,
+                                        dtype=variable.dtype.base_dtype,
+                                        name=f"{scratch[key].op.name}/gather"),
+        validate_shape=False) for key, variable in state.items()]
+
+
+def _write_back(state: Dict[str, tf.Variable], scratch: Dict[str, tf.Tensor], rows: tf.Tensor,
+                after: list) -> tf.Operation:
+    """Writes each scratch handle's values into ``rows`` of its variable, after ``after``."""
+    with tf.control_dependencies(after):
+        return tf.group(*[tf.raw_ops.ResourceScatterUpdate(
+            resource=variable.handle, indices=rows,
+            updates=tf.raw_ops.ReadVariableOp(resource=scratch[key],
+                                              dtype=variable.dtype.base_dtype))
+            for key, variable in state.items()])
