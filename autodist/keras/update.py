@@ -577,7 +577,7 @@ class _Sample:
                            1 + len(call.stages.slots[name]) + call.stages.non_slots.index(iteration))
 
     def decide(self, session: tf.compat.v1.Session) -> tuple:
-        """(update mode, why it is dense), from runs of both copies in ``session``."""
+        """(update mode, why it is dense), from runs of its copies in ``session``."""
         rng = np.random.default_rng(0)
         dense, rows, *after_first = self._copies
 
