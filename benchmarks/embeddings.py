@@ -183,7 +183,7 @@ BASE_GB = 1.0
 """The a-priori estimate's memory of a process besides the table: TensorFlow, Keras, AutoDist."""
 GROWTH = 2.0
 """The a-priori estimate's bytes per byte of table and slots: the model's copy and one more
-(plain Keras's dense Adam peaked at 2.05 x at 10M rows, over its 1M-row peak)."""
+(plain Keras's dense Adam peaked at 2.05 x its table and slots at 10M rows)."""
 RESERVE_GB = 3.0
 FLOOR_GB = 2.0
 """The watchdog stops a job when the machine's available memory falls below this."""
@@ -310,7 +310,8 @@ class Dlrm(OneTable):
         return (f"Keras `fit` of a DLRM-style model: {DENSE_FEATURES} dense features through "
                 f"`Dense({HIDDEN}, relu) -> Dense({DIM}, relu)`; {len(DLRM_SHARES)} categorical "
                 f"features, one id each, in tables of {shares} of the rows, {DIM} columns; the "
-                "pairwise dot products of the dense output and the 4 vectors beside the dense "
+                f"pairwise dot products of the dense output and the {len(DLRM_SHARES)} vectors "
+                "beside the dense "
                 f"output, then `Dense({HIDDEN}, relu) -> Dense(1)`, binary cross-entropy "
                 f"({ROWS_PER_NODE} rows per node per step; ids uniform over each table); rows "
                 f"of the largest table: {sizes}")
