@@ -218,8 +218,8 @@ def job(warmup: int, timed: int, build=None, data=None,
     digest = hashlib.sha256()
     for weight in model.get_weights():
         digest.update(np.ascontiguousarray(weight).tobytes())
-    print(_CHECKSUM_TAG + json.dumps({"rank": hvd.rank(), "sha256": digest.hexdigest()}),
-          flush=True)
+    kst.print_line(_CHECKSUM_TAG + json.dumps({"rank": hvd.rank(),
+                                               "sha256": digest.hexdigest()}))
     if hvd.rank() == 0:
         kst.print_result(SYSTEM, timer)
 

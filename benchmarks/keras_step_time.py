@@ -179,10 +179,18 @@ def batch_timer(warmup: int):
     return BatchTimer()
 
 
+def print_line(text: str) -> None:
+    """Prints ``text`` and its newline in one write: a job's processes share one output, and
+    print()'s separate writes of a line and of its newline interleave with theirs (two
+    processes' tagged lines ran into one)."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (text + "\n").encode())
+
+
 def print_result(system: str, timer) -> None:
-    print(_RESULT_TAG + json.dumps({
+    print_line(_RESULT_TAG + json.dumps({
         "system": system, "median_s": statistics.median(timer.times), "times": timer.times,
-        "first_loss": timer.losses[0], "last_loss": timer.losses[-1]}), flush=True)
+        "first_loss": timer.losses[0], "last_loss": timer.losses[-1]}))
 
 
 def peak_rss_gb() -> float:
@@ -204,10 +212,9 @@ def peak_rss_gb() -> float:
 def print_cpu(system: str, process: int, timer) -> None:
     """This process's CPU seconds per timed step and its peak memory so far (every process
     of a job prints one)."""
-    print(_CPU_TAG + json.dumps({"system": system, "process": process,
-                                 "cpu_s_per_step": timer.cpu_s / max(1, len(timer.times)),
-                                 "peak_rss_gb": peak_rss_gb()}),
-          flush=True)
+    print_line(_CPU_TAG + json.dumps({"system": system, "process": process,
+                                      "cpu_s_per_step": timer.cpu_s / max(1, len(timer.times)),
+                                      "peak_rss_gb": peak_rss_gb()}))
 
 
 AUTO = "AutoStrategy"
