@@ -313,7 +313,7 @@ class Dlrm(OneTable):
                 f"pairwise dot products of the dense output and the {len(DLRM_SHARES)} vectors "
                 "beside the dense "
                 f"output, then `Dense({HIDDEN}, relu) -> Dense(1)`, binary cross-entropy "
-                f"({ROWS_PER_NODE} rows per node per step; ids uniform over each table); rows "
+                f"({ROWS_PER_NODE} rows per node per step, ids uniform); rows "
                 f"of the largest table: {sizes}")
 
 
@@ -870,15 +870,15 @@ def format_section(tables: dict, verdicts: list, args, command: str, info: dict,
         f"one node with Adagrad and 10M rows, the best builder at least 3x as fast as `{KERAS}`; "
         "on the cluster with Adagrad and 1M rows, at least 2x Horovod's step rate; "
         "with SGD, Adagrad and FTRL, `PartitionedPS`'s step at 10M rows at most 1.5x its step "
-        f"at 100k on the cluster (one node: informative). **Result:** {result}.", ""]
+        "at 100k on the cluster (one node: informative).", "", f"**Result:** {result}.", ""]
              if model is OneTable else [
         "**Goal:** `PartitionedPS`'s peak memory per node at most its share of the tables (with "
         "slots) plus 1.5 GB; the step times are shown beside the one-table model's goals, not "
         f"checked. **Result:** {result}.", ""])
     lines = [
         model.begin, f"## {model.title}", "",
-        f"**Measures:** {model.describe(sizes)}, "
-        "under AutoDist's builders, its peers and plain Keras; median step over interleaved "
+        f"**Measures:** {model.describe(sizes)}.", "",
+        "Under AutoDist's builders, its peers and plain Keras: median step over interleaved "
         "rounds, each run a fresh job, and each run's largest peak resident memory over its "
         "processes (largest over rounds).", "",
         *goals,
