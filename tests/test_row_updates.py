@@ -152,7 +152,7 @@ def test_a_table_updated_by_rows_trains_as_on_one_device(spec_path, builder, opt
                                            x[:BATCH], builder, {"Adagrad": 1, "Ftrl": 2}[optimizer])
 
 
-def test_the_first_ftrl_step_runs_on_every_row_in_place(spec_path, monkeypatch):
+def test_the_first_ftrl_step_runs_on_every_row_without_a_copy_of_the_part(spec_path, monkeypatch):
     """FTRL's first step moves rows without gradient (to 0): it runs on the batch's rows
     (the step's gathers take those only), then on the others in chunks, with no copy of
     the whole part, and leaves every untouched row where one device's first step does."""
