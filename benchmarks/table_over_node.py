@@ -72,7 +72,7 @@ _GiB = 2 ** 30
 # --------------------------------------------------------------------------- the jobs
 
 def node_data(args, node: int):
-    return embeddings.synthetic_data(args.rows, node, BATCH * args.steps)
+    return embeddings.OneTable(args.rows).data(node, BATCH * args.steps)
 
 
 def job_autodist(args) -> None:
@@ -87,17 +87,17 @@ def job_autodist(args) -> None:
     x, y = node_data(args, ad.node_index)
     keras.utils.set_random_seed(0)  # the single-device check's initial weights
     with ad.scope():
-        model = embeddings.build_model(args.rows, "sgd")
+        model = embeddings.OneTable(args.rows).build("sgd")
     timer = kst.batch_timer(WARMUP)
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False, callbacks=[timer])
     after_fit = kst.peak_rss_gb()
     start = time.perf_counter()
     model.save_weights(args.save_to)  # the chief's alone; a worker's writes nothing
-    print(_TAG + json.dumps({
+    kst.print_line(_TAG + json.dumps({  # every node prints one, into the chief's output
         "process": ad.node_index, "chief": ad.is_chief,
         "median_s": statistics.median(timer.times) if timer.times else None,
         "save_s": time.perf_counter() - start, "fit_peak_gb": after_fit,
-        "save_peak_gb": kst.peak_rss_gb()}), flush=True)
+        "save_peak_gb": kst.peak_rss_gb()}))
 
 
 def job_plain(args) -> None:
@@ -111,7 +111,7 @@ def job_plain(args) -> None:
     x = np.concatenate([p[0][rows] for rows in steps for p in parts])
     y = np.concatenate([p[1][rows] for rows in steps for p in parts])
     keras.utils.set_random_seed(0)
-    model = embeddings.build_model(args.rows, "sgd")
+    model = embeddings.OneTable(args.rows).build("sgd")
     model.fit(x, y, batch_size=BATCH * args.nodes, epochs=1, verbose=0, shuffle=False)
     model.save_weights(args.save_to)
 
@@ -121,7 +121,7 @@ def job_check(args) -> None:
     import numpy as np
 
     kst.limit_threads()
-    model = embeddings.build_model(args.rows, "sgd")
+    model = embeddings.OneTable(args.rows).build("sgd")
     model.load_weights(args.save_to)
     want = [v.numpy() for v in model.weights]
     for path in args.check:
