@@ -8,8 +8,9 @@ in-batch negatives), the step marks it: ``cross_replica_sum`` marks a sum and
 its gradient (replica r's rows reach every replica's loss through it, so the
 gradient is summed over the replicas too), and ``gather_batch`` places a
 replica's rows at their place in the batch and sums. The replicator turns a
-marked sum into a collective sum over the replicas, and gives each replica the
-batch's row count and its first row's index for the marked ones.
+marked sum into a collective sum over every replica of every node, and gives
+each replica the global batch's row count and its first row's index for the
+marked ones (on a cluster, every node's rows in node order).
 """
 from __future__ import annotations
 

@@ -567,6 +567,13 @@ class GraphItem:
         rows: the reads of a loss scale and the seeds of the gradients."""
         return self.loss_scale_reads | self.gradient_seeds
 
+    @property
+    def sums_over_replicas(self) -> bool:
+        """Whether the step sums tensors over every replica of the cluster: marked sums
+        (``cross_replica_sums``) or the totals a loss is divided by (``batch_totals``).
+        On a cluster these are collectives across the nodes."""
+        return bool(self.cross_replica_sums or self.batch_totals)
+
     def gradients_scaled_by_share(self, call: int) -> bool:
         """Whether optimizer call ``call``'s gradients come out of each replica already
         scaled by its share (through ``scaled_by_share``)."""

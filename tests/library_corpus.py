@@ -176,8 +176,10 @@ def seq2seq_transformer(env: Env) -> Result:
             optimizer=keras.optimizers.RMSprop(1e-2),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["accuracy"])
-    history, losses = _fit(transformer, {"encoder_inputs": source, "decoder_inputs": decoder_in},
-                           decoder_out, batch_size=batch_size, epochs=2, shuffle=False)
+    node_x, node_y, node_batch = _node_rows(
+        env, batch_size, {"encoder_inputs": source, "decoder_inputs": decoder_in}, decoder_out)
+    history, losses = _fit(transformer, node_x, node_y, batch_size=node_batch, epochs=2,
+                           shuffle=False)
     return kc.result(transformer, transformer.optimizer, history, losses)
 
 
@@ -203,6 +205,35 @@ def resnet_image_classifier(env: Env) -> Result:
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["accuracy"])
     history, losses = _fit(classifier, images, labels, batch_size=8, epochs=2)
+    return kc.result(classifier, classifier.optimizer, history, losses)
+
+
+def synchronized_bn_classifier(env: Env) -> Result:
+    """A small residual CNN whose batch normalization is ``synchronized=True`` (the
+    statistics of the whole global batch), on images whose halves of each batch differ
+    in brightness: statistics per replica or per node would differ from the batch's."""
+    rng = np.random.default_rng(705)
+    images = rng.uniform(size=(16, 8, 8, 3)).astype("float32")
+    images[np.arange(16) % 8 < 4] += 1.0
+    labels = (images[:, :4].mean(axis=(1, 2, 3)) * 3 % 3).astype("int32")
+
+    kc._fresh_start(75)
+    with env.scope():
+        inputs = keras.Input((8, 8, 3))
+        x = layers.Conv2D(8, 3, padding="same", use_bias=False)(inputs)
+        x = layers.Activation("relu")(layers.BatchNormalization(synchronized=True)(x))
+        y = layers.Conv2D(8, 3, padding="same", use_bias=False)(x)
+        y = layers.BatchNormalization(synchronized=True)(y)
+        x = layers.Activation("relu")(layers.Add()([x, y]))
+        outputs = layers.Dense(3)(layers.GlobalAveragePooling2D()(x))
+        classifier = keras.Model(inputs, outputs)
+        classifier.compile(
+            optimizer=keras.optimizers.SGD(learning_rate=0.05, momentum=0.9),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"])
+    node_images, node_labels, node_batch = _node_rows(env, 8, images, labels)
+    history, losses = _fit(classifier, node_images, node_labels, batch_size=node_batch,
+                           epochs=2, shuffle=False)
     return kc.result(classifier, classifier.optimizer, history, losses)
 
 
@@ -347,8 +378,8 @@ def two_tower_retrieval(env: Env, gathered: bool = False) -> Result:
     with env.scope():
         model = TwoTowerRetrieval(users, items, gathered=gathered)
         model.compile(optimizer=keras.optimizers.Adam(learning_rate=0.05))
-    history, losses = _fit(model, {"user_id": user_id, "item_id": item_id},
-                           batch_size=batch_size, epochs=2, shuffle=False)
+    node_x, node_batch = _node_rows(env, batch_size, {"user_id": user_id, "item_id": item_id})
+    history, losses = _fit(model, node_x, batch_size=node_batch, epochs=2, shuffle=False)
     model.retrieval.update_candidates(model.candidate_tower(np.arange(items)))
     top = model.retrieval(model.query_tower(np.arange(4)))
     return kc.result(model, model.optimizer, history, losses, top_candidates=np.array(top))
@@ -382,6 +413,7 @@ SCRIPTS: Dict[str, Callable[[Env], Result]] = {
     "bert_text_classifier": bert_text_classifier,
     "seq2seq_transformer": seq2seq_transformer,
     "resnet_image_classifier": resnet_image_classifier,
+    "synchronized_bn_classifier": synchronized_bn_classifier,
     "dcn_feature_cross": dcn_feature_cross,
     "dlrm_dot_interaction": dlrm_dot_interaction,
     "two_tower_retrieval": two_tower_retrieval,

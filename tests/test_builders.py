@@ -28,7 +28,7 @@ VARIABLES = [
     VariableInfo("step", (), "int64", has_grad=False),              # 8 B
 ]
 BY_NAME = {v.name: v for v in VARIABLES}
-GRAPH = types.SimpleNamespace(trainable_variables=VARIABLES)
+GRAPH = types.SimpleNamespace(sums_over_replicas=False, trainable_variables=VARIABLES)
 
 ONE_NODE = ResourceSpec.from_dict({"nodes": [{"address": "localhost", "cpus": [0, 1], "chief": True}]})
 THREE_NODES = ResourceSpec.from_dict({"nodes": [
@@ -196,7 +196,7 @@ def test_ps_load_balancing_exact_placement():
 
 def test_ps_load_balancing_balances_equal_variables():
     variables = [VariableInfo(f"v{i}", (10, 10), "float32") for i in range(7)]
-    graph = types.SimpleNamespace(trainable_variables=variables)
+    graph = types.SimpleNamespace(sums_over_replicas=False, trainable_variables=variables)
     strategy = PSLoadBalancing().build(graph, THREE_NODES)
     assert ps_loads(strategy, variables) == {PS1: 1200, PS2: 800, PS3: 800}
 
@@ -328,7 +328,7 @@ def test_random_axis_is_deterministic_and_valid():
 
 def test_parallax_splits_sparse_and_dense():
     variables = VARIABLES + [VariableInfo("emb2", (6, 4), "float32", sparse_grad=True)]
-    graph = types.SimpleNamespace(trainable_variables=variables)
+    graph = types.SimpleNamespace(sums_over_replicas=False, trainable_variables=variables)
     strategy = Parallax(chunk_size=2, local_proxy_variable=True).build(graph, THREE_NODES)
     by_name = strategy.node_config_by_name()
     assert len(by_name) == len(variables)

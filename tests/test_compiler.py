@@ -24,6 +24,19 @@ def test_partitioned_variables_compile_to_their_parts():
     assert sum(p.shape[0] for p in emb.parts) == 1000
 
 
+@pytest.mark.parametrize("sums", (False, True))
+def test_a_step_summing_over_every_replica_runs_collectives_under_any_builder(sums):
+    # A masked loss's total or synchronized batch statistics are collectives in the step
+    # itself: a PS strategy's step on a cluster then splits in two runs, as a mixed one's
+    # does, and its PS parts keep proxies on every node (in the memory estimate too).
+    graph = types.SimpleNamespace(sums_over_replicas=sums,
+                                  trainable_variables=GRAPH.trainable_variables)
+    compiled = compile_strategy(PartitionedPS().build(graph, THREE_NODES), graph, THREE_NODES)
+    assert compiled.has_remote_ops
+    assert compiled.has_collectives is sums
+    assert compiled.node_layout(THREE_NODES).split_step is sums
+
+
 def test_a_device_outside_the_spec_is_named():
     strategy = AllReduce().build(GRAPH, ONE_NODE)
     node = strategy.node_config_by_name()["step"]
@@ -113,7 +126,7 @@ MiB = 2 ** 20
 TABLE = VariableInfo("table", (2 ** 20, 64), "float32", sparse_grad=True,
                      slot_bytes=2 * 256 * MiB)  # 256 MiB, with Adam's two moments
 DENSE = VariableInfo("dense/kernel", (64, 2 ** 14), "float32", slot_bytes=8 * MiB)  # 4 MiB
-TABLE_GRAPH = types.SimpleNamespace(trainable_variables=[TABLE, DENSE])
+TABLE_GRAPH = types.SimpleNamespace(sums_over_replicas=False, trainable_variables=[TABLE, DENSE])
 
 
 def _capped(memory, *replicas):
@@ -154,7 +167,7 @@ def test_a_partitioned_variable_read_whole_is_stitched_once_per_node():
     node stores. Multiplied by (a matmul), it is read part by part: no copy."""
     def held_mib(**reads):
         kernel = VariableInfo("kernel", (64, 2 ** 14), "float32", **reads)  # 4 MiB
-        graph = types.SimpleNamespace(trainable_variables=[kernel])
+        graph = types.SimpleNamespace(sums_over_replicas=False, trainable_variables=[kernel])
         compiled = compile_strategy(PartitionedPS().build(graph, spec), graph, spec)
         return [v.get("kernel", 0) / MiB for v in stored_bytes(compiled, spec).values()]
 

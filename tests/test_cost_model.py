@@ -54,7 +54,7 @@ def seconds(num_bytes, gbps):
 def predict(strategy, variables, resource_spec, batch_size=10, model=MODEL, **kwargs):
     """Predicts from the Strategy and from its compiled form; both must agree."""
     direct = model.predict(strategy, variables, resource_spec, batch_size=batch_size, **kwargs)
-    item = types.SimpleNamespace(trainable_variables=variables)
+    item = types.SimpleNamespace(sums_over_replicas=False, trainable_variables=variables)
     compiled = compile_strategy(strategy, item, resource_spec)
     assert model.predict(compiled, None, resource_spec, batch_size=batch_size,
                          **kwargs) == pytest.approx(direct, rel=1e-12)
@@ -114,7 +114,7 @@ def test_merging_two_variables_into_one_group_removes_one_latency_term():
 def test_each_all_reduced_part_adds_its_fixed_overhead():
     # PartitionedAR(num_partitions=4) cuts v into four parts of one group: the ring moves
     # the same bytes through the same single collective, and each part adds its overhead.
-    graph = types.SimpleNamespace(trainable_variables=[vec("v")])
+    graph = types.SimpleNamespace(sums_over_replicas=False, trainable_variables=[vec("v")])
     whole = breakdown(strategy_of(TWO_BY_TWO, common.ar_node_config("v", 0)), [vec("v")],
                       TWO_BY_TWO)
     cut = breakdown(PartitionedAR(chunk_size=128, num_partitions=4).build(graph, TWO_BY_TWO),

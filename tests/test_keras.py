@@ -547,25 +547,6 @@ def test_a_loss_divided_by_the_sum_of_its_sample_weights_matches_single_device(s
     assert len(model._autodist_fit.step.session.distributed.item.batch_totals) == 1
 
 
-@pytest.fixture
-def two_node_spec(tmp_path) -> str:
-    """This machine and another node: AutoDist refuses a step there before it launches
-    anything on the other node."""
-    spec = tmp_path / "two_nodes.yml"
-    spec.write_text("nodes:\n  - address: localhost\n    cpus: [0]\n    chief: true\n"
-                    "  - address: 10.0.0.2\n    cpus: [0]\n")
-    return str(spec)
-
-
-def test_a_masked_loss_on_a_cluster_is_refused_by_name(two_node_spec):
-    x, y = _padded_tokens()
-    with AutoDist(two_node_spec, AllReduce()).scope():
-        model = _token_tagger()
-    with pytest.raises(NotImplementedError, match=r"divides by '.*Sum' \(a masked loss's count "
-                                                  r"of unmasked entries.*2 nodes"):
-        model.fit(x, y, **fit_kwargs())
-
-
 # ----------------------------------------------------------------------------- in-batch negatives
 
 class TwoTowerRetrieval(keras.Model):
@@ -634,14 +615,6 @@ def test_in_batch_negatives_gathered_over_the_replicas_match_single_device(
     shapes = [v.shape for v in session.run(logits, feed_dict=feeds)]
     rows = [batch_size * (r + 1) // replicas - batch_size * r // replicas for r in range(replicas)]
     assert shapes == [(n, batch_size) for n in rows]
-
-
-def test_rows_gathered_on_a_cluster_are_refused_by_name(two_node_spec):
-    with AutoDist(two_node_spec, AllReduce()).scope():
-        model = _retrieval(gather=True)
-    with pytest.raises(NotImplementedError, match=r"rows gathered by autodist.gather_batch\) "
-                                                  r"would need the 2 nodes' rows"):
-        model.fit(_pairs(), **fit_kwargs(batch_size=16))
 
 
 def test_in_batch_negatives_left_per_replica_are_named_once(spec_path):
@@ -1068,15 +1041,6 @@ def test_synchronized_batch_norm_normalizes_with_the_whole_batch_s_statistics(sp
     assert sorted(sums) == [0, 1] and len(sums[0]) == len(sums[1]) >= 3
     for replica, ops in sums.items():
         assert all(op.device.endswith(f"CPU:{replica}") for op in ops)
-
-
-def test_synchronized_batch_norm_on_a_cluster_is_refused_by_name(two_node_spec):
-    x, y = _halves_apart()
-    with AutoDist(two_node_spec, AllReduce()).scope():
-        model = _synchronized_batch_norm()
-    with pytest.raises(NotImplementedError, match=r"synced_bn.*autodist_cross_replica_sum.*"
-                                                  r"BatchNormalization\(synchronized=True\)"):
-        model.fit(x, y, **fit_kwargs())
 
 
 def test_two_optimizers_in_one_step_are_refused(spec_path):

@@ -1,11 +1,16 @@
-"""Four scripts of the Keras corpus and three of the library corpus (a KerasHub task
-training through its own ``fit``, a KerasRS DCN, a KerasRS DLRM with
-``DistributedEmbedding``) on a 2-node emulated cluster, one replica per node.
+"""Four scripts of the Keras corpus and six of the library corpus on a 2-node emulated
+cluster, one replica per node: a KerasHub task training through its own ``fit``, a
+KerasRS DCN, a KerasRS DLRM with ``DistributedEmbedding``, and three whose step sums
+over the whole global batch (a masked loss's count of real tokens, synchronized batch
+normalization, in-batch candidates gathered with ``autodist.gather_batch``).
 
 Each node runs the script on its half of every global batch; the trained
 weights of every node and the chief's optimizer variables must equal
 single-device training on the whole batches, and the nodes' logged losses,
-each over its own rows, must average to the single-device loss.
+each over its own rows, must average to the single-device loss. For the last
+three, the halves differ (long and short rows, bright and dark images), so
+equal weights show the sums went across the nodes: each node alone would
+divide, normalize and score with its own half.
 """
 import os
 import pickle
@@ -39,6 +44,11 @@ def two_nodes(tmp_path_factory):
     ("gpt2_causal_lm", "AllReduce"),
     ("dcn_feature_cross", "PartitionedPS"),
     ("dlrm_dot_interaction", "Parallax"),
+    # Sums over every node's rows: a masked loss's count of real tokens (a PS step,
+    # split in two runs for the collective), batch statistics, in-batch candidates.
+    ("seq2seq_transformer", "PartitionedPS"),
+    ("synchronized_bn_classifier", "AllReduce"),
+    ("two_tower_retrieval_gathered", "Parallax"),
 ])
 def test_corpus_script_on_two_nodes_equals_single_device(two_nodes, tmp_path, script, builder):
     cluster, spec = two_nodes

@@ -36,7 +36,7 @@ VARIABLES = [
 ]
 # The backward pass reaches the variables in reverse order.
 VARIABLES = [dataclasses.replace(v, ready_rank=len(VARIABLES) - i) for i, v in enumerate(VARIABLES)]
-GRAPH = types.SimpleNamespace(trainable_variables=VARIABLES)
+GRAPH = types.SimpleNamespace(sums_over_replicas=False, trainable_variables=VARIABLES)
 BY_NAME = {v.name: v for v in VARIABLES}
 CONSTRAINTS = SamplerConstraints(partition_threshold_bytes=10_000, always_partition_bytes=200_000,
                                  min_partitions=2, max_partitions=6)
@@ -330,7 +330,8 @@ def test_pure_choices_are_drawn_even_among_hundreds_of_variables():
     # all 200 choose alike about never; each share is 0 or 1 a quarter of the time.
     many = [VariableInfo(f"layer{i}/kernel", (16, 16), "float32") for i in range(200)]
     many.append(VariableInfo("emb", (5000, 32), "float32", sparse_grad=True))
-    sampler = StrategySampler(types.SimpleNamespace(trainable_variables=many), THREE_NODES)
+    sampler = StrategySampler(types.SimpleNamespace(
+        sums_over_replicas=False, trainable_variables=many), THREE_NODES)
     pure, sparse_read_directly = 0, 0
     for strategy in sampler.sample_many(400, seed=5):
         dense = [n for n in strategy.node_config if n.var_name != "emb"]

@@ -228,9 +228,27 @@ def replicate(item: GraphItem, ctx: KernelContext, variable_handles: dict,
 
 
 # The group of every replica's device, apart from the synchronizers' groups, and the
-# first of its instance keys.
+# first of its instance keys for the marked sums. The sums the replicator adds itself
+# on a cluster (the gathered batch's row counts, the batch totals) take the keys below.
 _REPLICA_GROUP_KEY = 2
 _REPLICA_INSTANCE_KEYS = 1 << 20
+_ROW_COUNTS_KEY = _REPLICA_INSTANCE_KEYS - 1
+_FIRST_TOTAL_KEY = _REPLICA_INSTANCE_KEYS - 2  # then downwards, one per total
+
+
+def _sum_over_cluster(values: list, ctx: KernelContext, instance_key: int) -> list:
+    """Per local replica, the sum of ``values`` (one tensor per local replica, of one
+    shape on every replica of the cluster) over every replica of every node."""
+    sums = []
+    for replica, value in enumerate(values):
+        with tf.device(ctx.replica_tf_device(replica)):
+            flat = tf.reshape(value, [-1])  # a collective takes no scalar
+            summed = tf.raw_ops.CollectiveReduceV2(
+                input=flat, group_size=ctx.total_replicas, group_key=_REPLICA_GROUP_KEY,
+                instance_key=instance_key, ordering_token=[], merge_op="Add",
+                final_op="Id")
+            sums.append(tf.reshape(summed, tf.shape(value)))
+    return sums
 
 
 def _sum_over_replicas(graph_def, ctx: KernelContext) -> None:
@@ -279,8 +297,9 @@ def _sum_over_replicas(graph_def, ctx: KernelContext) -> None:
 
 def _row_positions(item: GraphItem, ctx: KernelContext) -> list:
     """Per replica, what it reads for the marked row counts and first rows of a
-    gathered batch (``cross_replica.gather_batch``): the batch's rows, and the
-    index of the replica's first row (as ``_batch_slice`` cuts the batch).
+    gathered batch (``cross_replica.gather_batch``): the global batch's rows, and
+    the index of the replica's first row in it (as ``_batch_slice`` cuts the
+    node's batch, after the earlier nodes' rows on a cluster).
 
     Returns:
         per local replica, {a marked tensor's name: its value}.
@@ -302,8 +321,23 @@ def _row_positions(item: GraphItem, ctx: KernelContext) -> list:
     n = ctx.num_replicas
     with tf.device(ctx.shared_device), tf.name_scope("autodist_row_positions"):
         size = tf.shape(batch)[0]
-        return [{**{f"{name}:0": size for name in counts},
-                 **{f"{name}:0": _first_row(size, r, n) for name in firsts}} for r in range(n)]
+        if ctx.multi_node:
+            # The gathered batch is every node's rows, in node order: this node's start
+            # after the earlier nodes' rows. Each node's replica 0 tells its row count;
+            # every replica reads the sum (a collective's output left unread would
+            # leave the others waiting for it).
+            mine = tf.one_hot(ctx.node_index, ctx.num_nodes, dtype=tf.int64) * tf.cast(
+                size, tf.int64)
+            told = [mine] + [tf.zeros_like(mine)] * (n - 1)
+            node_rows = [tf.cast(rows, tf.int32)
+                         for rows in _sum_over_cluster(told, ctx, _ROW_COUNTS_KEY)]
+            starts = [tf.reduce_sum(rows[:ctx.node_index]) for rows in node_rows]
+            totals = [tf.reduce_sum(rows) for rows in node_rows]
+        else:
+            starts, totals = [0] * n, [size] * n
+        return [{**{f"{name}:0": totals[r] for name in counts},
+                 **{f"{name}:0": starts[r] + _first_row(size, r, n) for name in firsts}}
+                for r in range(n)]
 
 
 def _replica_input(item: GraphItem, ctx: KernelContext, variable_handles: dict,
@@ -361,11 +395,16 @@ def _whole_step_totals(item: GraphItem, ctx: KernelContext, replica_input) -> li
         own.append([graph.get_tensor_by_name(f"{scope}/{name}:0")
                     for name in sorted(item.batch_totals)])
     shares = contribution_shares(item, ctx)
-    with tf.device(ctx.shared_device), tf.name_scope("autodist_batch_totals"):
-        wholes = [tf.add_n(list(values)) for values in zip(*own)]
+    with tf.name_scope("autodist_batch_totals"):
+        if ctx.multi_node:  # per replica, each total summed over every node's replicas
+            wholes = list(zip(*[_sum_over_cluster(list(values), ctx, _FIRST_TOTAL_KEY - index)
+                                for index, values in enumerate(zip(*own))]))
+        else:
+            with tf.device(ctx.shared_device):
+                wholes = [[tf.add_n(list(values)) for values in zip(*own)]] * ctx.num_replicas
         return [{f"{name}:0": whole * tf.cast(share, whole.dtype)
-                 for name, whole in zip(sorted(item.batch_totals), wholes)}
-                for share in shares]
+                 for name, whole in zip(sorted(item.batch_totals), replica_wholes)}
+                for share, replica_wholes in zip(shares, wholes)]
 
 
 def _refuse_v1_loops(graph_def, num_replicas: int) -> None:

@@ -216,6 +216,7 @@ def write_capture(path: str, item: GraphItem, spec_path: str) -> None:
     """The capture run's output: what the search needs to know of the graph."""
     _write_json(path, {"fingerprint": item.fingerprint, "spec": spec_path,
                        "accumulation_steps": item.accumulation_steps,
+                       "sums_over_replicas": item.sums_over_replicas,
                        "variables": [dataclasses.asdict(v) for v in item.trainable_variables]})
 
 
@@ -227,6 +228,7 @@ class CapturedGraph:
     fingerprint: str
     spec: str
     accumulation_steps: int = 1
+    sums_over_replicas: bool = False  # ``GraphItem``'s
 
 
 class ClusterBusyError(RuntimeError):
@@ -297,7 +299,7 @@ class ScriptRunner:
         variables = [VariableInfo(**dict(v, shape=tuple(v["shape"]))) for v in data["variables"]]
         self._script_spec = data["spec"]
         return CapturedGraph(variables, data["fingerprint"], data["spec"],
-                             data["accumulation_steps"])
+                             data["accumulation_steps"], data["sums_over_replicas"])
 
     def trial(self, strategy: Strategy, warmup: int = 3, steps: int = 10) -> TrialResult:
         """Runs the script under ``strategy``; returns its time per step."""

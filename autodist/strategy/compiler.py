@@ -57,6 +57,8 @@ class CompiledVariable:
 class CompiledStrategy:
     strategy: Strategy
     variables: dict  # var name -> CompiledVariable, in graph order
+    # The step itself sums tensors over every replica (``GraphItem.sums_over_replicas``).
+    sums_over_replicas: bool = False
 
     @property
     def synchronized_parts(self) -> list:
@@ -66,8 +68,10 @@ class CompiledStrategy:
 
     @property
     def has_collectives(self) -> bool:
-        """Some synchronized part reduces through collectives (``KernelContext``'s)."""
-        return any(p.kind.uses_collectives(p.synchronizer) for p in self.synchronized_parts)
+        """The step runs collectives (``KernelContext``'s): some synchronized part
+        reduces through them, or the step sums tensors over the replicas."""
+        return self.sums_over_replicas or any(
+            p.kind.uses_collectives(p.synchronizer) for p in self.synchronized_parts)
 
     @property
     def has_remote_ops(self) -> bool:
@@ -126,24 +130,20 @@ def compile_strategy(strategy: Strategy, graph_item: GraphItem,
         compiled[info.name] = _compile_variable(configs[info.name], info, devices, strategy.id)
     for kind in KINDS.values():
         kind.check_variables(list(compiled.values()), strategy.id, len(replicas))
-    result = CompiledStrategy(strategy=strategy, variables=compiled)
+    result = CompiledStrategy(strategy=strategy, variables=compiled,
+                              sums_over_replicas=graph_item.sums_over_replicas)
     check_node_memory(result, resource_spec)
     return result
 
 
 def check_graph(graph_item: GraphItem, resource_spec: ResourceSpec) -> None:
-    """Refuses what no strategy can distribute on ``resource_spec``: on a cluster, a
-    loss divided by a sum over the batch (a masked loss) or a sum over the replicas;
-    and warns of a product of the batch's rows with its rows (in-batch negatives).
+    """Warns of what no strategy distributes exactly on ``resource_spec``: a product of
+    the batch's rows with its rows (in-batch negatives) that no gathered batch covers.
 
-    The replicas of one node take the whole node's total (``replicator``); the
-    nodes would each divide by their own rows' total, and train apart from a
-    single device.
-
-    Raises:
-        NotImplementedError: naming the sum.
+    Sums over the whole batch or every replica (a masked loss's count, synchronized
+    batch normalization, ``gather_batch``) are exact on any cluster: the replicator
+    sums them over every replica of every node.
     """
-    nodes = len(resource_spec.nodes)
     if graph_item.rows_multiplied and len(resource_spec.replica_devices) > 1:
         warnings.warn(
             f"AutoDist: the step multiplies two tensors of the batch's rows "
@@ -153,23 +153,6 @@ def check_graph(graph_item: GraphItem, resource_spec: ResourceSpec) -> None:
             "single-device one. For in-batch negatives, gather the candidates over the "
             "replicas with autodist.gather_batch(...) to train exactly (README, Keras "
             "section).", stacklevel=3)
-    if graph_item.cross_replica_sums and nodes > 1:
-        raise NotImplementedError(
-            f"AutoDist does not yet sum a step's tensors over the replicas of several "
-            f"nodes: '{graph_item.cross_replica_sums[0]}' (a "
-            f"BatchNormalization(synchronized=True)'s statistics, or rows gathered by "
-            f"autodist.gather_batch) would need the {nodes} nodes' rows. Train on one "
-            "node, whose replicas share them, or leave them per replica "
-            "(synchronized=False; no gather_batch).")
-    if graph_item.batch_totals and nodes > 1:
-        raise NotImplementedError(
-            f"AutoDist does not yet divide a loss by a sum over the whole batch across "
-            f"nodes: the step divides by '{sorted(graph_item.batch_totals)[0]}' (a masked "
-            "loss's count of unmasked entries, or the sum of the sample weights), which "
-            f"each of the {nodes} nodes would take over its own rows only. "
-            "Train on one node (its replicas divide by the node's total, as one device "
-            "does), or normalize the loss by a number fixed in advance (reduction='sum' "
-            "divided by a constant).")
 
 
 def stored_bytes(compiled: CompiledStrategy, resource_spec: ResourceSpec) -> Dict[str, dict]:
