@@ -113,6 +113,9 @@ class DistributedSession:
         # (ids of a flat list of fetches, ids of the fed tensors) -> a callable running
         # them, and the elements (kept alive, so no id is reused)
         self._callables = {}
+        # id of a fetch or fed key -> (it, what it maps to): kept alive, so no id is reused
+        self._fetch_of, self._feed_of = {}, {}
+        self._feed_specs = {}  # id of a fed tensor -> (it, numpy dtype, dimensions)
         item = distributed.item
         self._variable_fetches = {}
         for name, variable in item.variables.items():
@@ -242,13 +245,20 @@ class DistributedSession:
 
     def run(self, fetches, feed_dict=None, options=None, run_metadata=None):
         """Like ``tf.compat.v1.Session.run``, on the original graph's elements."""
-        mapped = tf.nest.map_structure(self._map_fetch, fetches)
+        if type(fetches) is list and not any(isinstance(f, _NESTED) for f in fetches):
+            mapped = [self._map_fetch(f) for f in fetches]  # a step's own list: no tf.nest
+            flat = mapped
+        else:
+            mapped = tf.nest.map_structure(self._map_fetch, fetches)
+            flat = tf.nest.flatten(mapped)
         feeds = {}
         for key, value in (feed_dict or {}).items():
-            self._check_rows(key, value)
-            for target in self._map_feed(key):
+            targets, batched = self._map_feed(key)
+            if batched:
+                self._check_rows(key, value)
+            for target in targets:
                 feeds[target] = value
-        fetched = {id(f) for f in tf.nest.flatten(mapped)}
+        fetched = {id(f) for f in flat}
         trained = [index for index, update in enumerate(self._distributed.updates)
                    if id(update.train_op) in fetched]
         instead, seconds = {}, []  # train op -> what runs in its place; split steps' second runs
@@ -316,14 +326,24 @@ class DistributedSession:
                 isinstance(f, (tf.Tensor, tf.Operation)) for f in fetches):
             return None
         for target, value in feeds.items():
-            if (not isinstance(value, np.ndarray) or value.dtype != target.dtype.as_numpy_dtype
-                    or not target.shape.is_compatible_with(value.shape)):
+            dtype, dims = self._feed_spec(target)
+            if not isinstance(value, np.ndarray) or value.dtype != dtype:
+                return None
+            if dims is not None and (len(dims) != value.ndim or any(
+                    d is not None and d != v for d, v in zip(dims, value.shape))):
                 return None
         key = (tuple(map(id, fetches)), tuple(map(id, feeds)))
         if key not in self._callables:
             made = _tf_compat.session_callable(self._session, fetches, list(feeds))
             self._callables[key] = (made, list(fetches), list(feeds))
         return self._callables[key][0]
+
+    def _feed_spec(self, target: tf.Tensor) -> tuple:
+        """A fed tensor's numpy dtype and dimensions (None: any rank), looked up once."""
+        if id(target) not in self._feed_specs:
+            dims = target.shape.as_list() if target.shape.rank is not None else None
+            self._feed_specs[id(target)] = (target, target.dtype.as_numpy_dtype, dims)
+        return self._feed_specs[id(target)][1:]
 
     def _stuck_bound(self) -> Optional[float]:
         """How long the next training run may take before it counts as stuck, or None."""
@@ -367,6 +387,16 @@ class DistributedSession:
                 return build()
 
     def _map_fetch(self, fetch):
+        if isinstance(fetch, str):  # names are looked up by name (a new string each run)
+            return self._mapped_fetch(fetch)
+        known = self._fetch_of.get(id(fetch))
+        if known is not None and known[0] is fetch:
+            return known[1]
+        mapped = self._mapped_fetch(fetch)
+        self._fetch_of[id(fetch)] = (fetch, mapped)  # kept: no id is reused
+        return mapped
+
+    def _mapped_fetch(self, fetch):
         if getattr(fetch, "graph", None) is self._graph:
             return fetch  # built in the distributed graph (``built_after``)
         name = _element_name(fetch)
@@ -438,21 +468,39 @@ class DistributedSession:
         return location.value()
 
     def _check_rows(self, key, value) -> None:
-        """Refuses a batch with fewer rows than replicas: some replica would get none."""
+        """Refuses a batch (a value fed to a batched input) with fewer rows than
+        replicas: some replica would get none."""
         name = _element_name(key).split(":")[0]
         replicas = self._distributed.ctx.num_replicas
-        if name in self._distributed.item.batched_inputs and len(value) < replicas:
+        if len(value) < replicas:
             raise ValueError(
                 f"AutoDist splits the batch fed to '{name}' across {replicas} replicas, but "
                 f"it has {len(value)} rows; feed at least {replicas} rows (e.g. drop or pad "
                 "a short last batch).")
 
-    def _map_feed(self, key) -> list:
+    def _map_feed(self, key) -> tuple:
+        """What a value fed for ``key`` feeds in the distributed graph, and whether
+        ``key`` is a batch the replicas split (``_check_rows``); looked up once."""
+        known = self._feed_of.get(id(key))
+        if known is not None and known[0] is key:
+            return known[1:]
         name = _element_name(key)
+        if isinstance(key, str):  # a new string each run, perhaps: by name only
+            return self._feed_targets(name)
+        targets, batched = self._feed_targets(name)
+        self._feed_of[id(key)] = (key, targets, batched)  # kept: no id is reused
+        return targets, batched
+
+    def _feed_targets(self, name: str) -> tuple:
         if self._distributed.item.is_replicated(name):
-            return [self._distributed.replica_element(name, r)
-                    for r in range(self._distributed.ctx.num_replicas)]
-        return [self._graph.get_tensor_by_name(name)]
+            targets = [self._distributed.replica_element(name, r)
+                       for r in range(self._distributed.ctx.num_replicas)]
+        else:
+            targets = [self._graph.get_tensor_by_name(name)]
+        return targets, name.split(":")[0] in self._distributed.item.batched_inputs
+
+
+_NESTED = (list, tuple, dict)
 
 
 def as_tf_variable(element):

@@ -23,6 +23,7 @@ import autodist
 import keras_models as km
 from autodist import AutoDist
 from autodist._tf_compat import EagerVariables, eager_snapshot
+from autodist.keras.function import DistributedStep
 from autodist.keras.update import RESOURCE_WRITES
 from autodist.kernels import partitioner
 from autodist.partition import PartitionPlan
@@ -1157,6 +1158,53 @@ def test_a_per_batch_callback_reading_no_weights_costs_no_copy_per_batch(spec_pa
     # The copy at the end of fit still happens.
     for got, expected in zip(model.weights, want.weights):
         np.testing.assert_allclose(got.numpy(), expected.numpy(), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("batch_hooks", (False, True))
+def test_the_small_state_is_copied_per_step_only_for_a_callback_with_batch_hooks(
+        spec_path, monkeypatch, batch_hooks):
+    """Without batch hooks no Keras code reads the metrics between two batches: the logs
+    come from the step's own run, and the small state is copied when Keras reads it
+    (an epoch's end), yet every log, epoch value and variable equals single-device
+    Keras's."""
+    copies = []
+    original = DistributedStep.copy_small_state
+
+    def counted(step):
+        copies.append(step._pending_small is not None)
+        return original(step)
+
+    monkeypatch.setattr(DistributedStep, "copy_small_state", counted)
+
+    class EpochLogs(keras.callbacks.Callback):
+        logs = ()
+
+    class BatchLogs(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.logs = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.logs.append(logs)
+
+    def train(model, hooks):
+        logs = BatchLogs() if hooks else EpochLogs()
+        history = model.fit(*km.data("mlp"), callbacks=[logs], **fit_kwargs())
+        return logs.logs, snapshot(model, model.optimizer, history.history)
+
+    ad = AutoDist(resource_spec_file=spec_path, strategy_builder=AllReduce())
+    with ad.scope():
+        model = km.compiled("mlp", OPTIMIZERS["adam"]())
+    got_logs, got = train(model, batch_hooks)
+    want_logs, want = train(km.compiled("mlp", OPTIMIZERS["adam"]()), batch_hooks)
+    assert_same(got, want, f"batch hooks {batch_hooks}")
+    steps = EPOCHS * km.SAMPLES // km.BATCH_SIZE
+    assert sum(copies) == (steps if batch_hooks else EPOCHS)
+    assert len(got_logs) == len(want_logs) == (steps if batch_hooks else 0)
+    for got_batch, want_batch in zip(got_logs, want_logs):
+        assert got_batch.keys() == want_batch.keys()
+        for key in want_batch:
+            np.testing.assert_allclose(got_batch[key], want_batch[key], atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize("builder", [AllReduce, PartitionedPS])

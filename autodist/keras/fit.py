@@ -22,7 +22,7 @@ from autodist import _keras_compat, _tf_compat
 from autodist.keras import saving
 from autodist.keras.function import DistributedStep
 from autodist.keras.step import LiftedStep, StepCache
-from autodist.session import DistributedSession
+from autodist.session import DistributedSession, as_tf_variable
 
 
 def check_distributable(model: keras.Model) -> None:
@@ -80,8 +80,11 @@ class _FitRunner:
     """Runs ``fit``'s steps through AutoDist and keeps the model in sync with them.
 
     Each step copies back only the small state: what the forward pass writes
-    (the metrics, for the logs) and the optimizer's scalars (its iteration
-    count and learning rate). It copies in what Keras code changed of the small
+    (the metrics) and the optimizer's scalars (its iteration count and
+    learning rate); after every step where a callback has batch hooks, else
+    when Keras reads it (``get_metrics_result`` at an epoch's end, callbacks
+    at its end, validation). The logs' metric results are computed in the
+    step's run. It copies in what Keras code changed of the small
     state (metrics reset at an epoch's start, a learning rate a callback set:
     it takes effect at the next step) when Keras code ran since the last
     step: at an epoch's start, or after every batch when a callback has batch
@@ -98,6 +101,7 @@ class _FitRunner:
                  on_cluster: bool):
         self._model = model
         self._on_cluster = on_cluster
+        self._keras_metrics_result = model.get_metrics_result  # Keras's, before ours
         self._open_session = open_session
         self._replicas = replicas
         self._step: Optional[DistributedStep] = None  # the step that ran last
@@ -121,7 +125,7 @@ class _FitRunner:
         self._steps = StepCache(self._model.train_step, self._replicas,
                                 lambda lifted: DistributedStep(lifted, self._open_session(lifted)),
                                 autograph=False)
-        self._metrics_traced = tf.function(self._model.get_metrics_result)
+        self._metrics_traced = tf.function(self._keras_metrics_result)
         self._metrics_call = None  # traced after the first step, which builds the metrics
 
     def fit(self, *args, **kwargs):
@@ -202,6 +206,7 @@ class _FitRunner:
             self.copy_to_model()
             if step is None:
                 step = self._steps.add((data,))
+                step.fetch_after_step(self._metrics_in_graph)
             else:
                 step.copy_from_eager_if_changed()
             self._step = step
@@ -211,11 +216,34 @@ class _FitRunner:
             step.copy_from_eager_if_changed(weights=self._weights_may_have_changed,
                                             slots=self._weights_may_have_changed)
         self._keras_code_ran = self._weights_may_have_changed = False
-        outputs = step.run((data,))
+        # Between two batches of fit only callbacks with batch hooks run Keras code;
+        # without them the small state is copied when Keras reads it (get_metrics_result
+        # at the epoch's end, callbacks), not at every step.
+        outputs = step.run((data,), copy_small=not (
+            self._in_fit and not self._sync.batch_hooks and step.fetches_after_step))
         self._stale = self._slots_stale = True
         if not self._in_fit:
             self.copy_to_model()
-        return _logs(outputs, self._metrics_result())
+        metrics = step.after_step_values
+        return _logs(outputs, self._metrics_result() if metrics is None else metrics)
+
+    def _metrics_in_graph(self, read: Callable) -> Optional[dict]:
+        """The model's metric results computed in AutoDist's graph from ``read``'s values
+        of the metric variables (``DistributedStep.fetch_after_step``): the logs then
+        come with the step's run, with no eager call. None where a variable has none."""
+        variables = self._model.metrics_variables
+        reads = [read(as_tf_variable(variable)) for variable in variables]
+        if any(value is None for value in reads):
+            return None
+        with keras.StatelessScope(state_mapping=list(zip(variables, reads))):
+            return self._keras_metrics_result()
+
+    def get_metrics_result(self) -> dict:
+        """``model.get_metrics_result``: Keras's, on the metrics of the last step (which
+        Keras's ``fit`` reads at an epoch's end, before the callbacks)."""
+        if self._step is not None:
+            self._step.copy_small_state()
+        return self._keras_metrics_result()
 
     def _metrics_result(self) -> dict:
         """The model's metric results, in one flat call (``_tf_compat.called_flat``)."""
@@ -240,6 +268,8 @@ class _FitRunner:
         Args:
             slots: also the optimizer's slots (not needed between batches).
         """
+        if self._step is not None:
+            self._step.copy_small_state()
         if self._stale or (slots and self._slots_stale):
             self._step.copy_to_eager(slots=slots)
             self._stale = False
@@ -306,13 +336,13 @@ class _SyncCallback(keras.callbacks.Callback):
         super().__init__()
         self._runner = runner
         self._per_batch = False  # a callback may read the weights after a batch
-        self._batch_hooks = False  # a callback's code runs between batches
+        self.batch_hooks = False  # a callback's code runs between batches
         self.began = False  # Keras's fit called it: an override passed it on
 
     def watch(self, callbacks: list) -> None:
         """Copies after every batch too if one of ``callbacks`` acts per batch."""
         self._per_batch = any(_acts_per_batch(c) for c in callbacks)
-        self._batch_hooks = any(_has_batch_hooks(c) for c in callbacks)
+        self.batch_hooks = any(_has_batch_hooks(c) for c in callbacks)
 
     def on_train_begin(self, logs=None):
         self.began = True
@@ -325,7 +355,7 @@ class _SyncCallback(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if self._per_batch:
             self._runner.copy_to_model(slots=False)
-        if self._batch_hooks:
+        if self.batch_hooks:
             self._runner.keras_code_runs()
 
     def on_test_begin(self, logs=None):
@@ -373,5 +403,6 @@ def distribute_fit(model: keras.Model,
     # Instance attributes: only this model changes, and Keras looks them up first.
     model.fit = runner.fit
     model.make_train_function = runner.make_train_function
+    model.get_metrics_result = runner.get_metrics_result
     model.train_function = None
     model._autodist_fit = runner  # pylint: disable=protected-access

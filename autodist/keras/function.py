@@ -95,32 +95,87 @@ class DistributedStep:
         read_in_step = set(map(id, in_step))
         self._small_reads_alone = [(variable, tensor) for variable, tensor in small
                                    if id(variable) not in read_in_step]
+        # What ``fetch_after_step`` adds to every run: its tensors, their structure, and
+        # their values in the last run.
+        self._after_fetches, self._after_structure = [], None
+        self.after_step_values = None
+        self._pending_small = None  # the last run's small state, not yet copied (``run``)
+        self._fetches = (self._step_fetches + self._fetch_outputs
+                         + self._small_reads_in_step)
+
+    def fetch_after_step(self, build: Callable[[Callable], object]) -> bool:
+        """Fetches, in every later run, a structure of tensors that ``build`` computes in
+        AutoDist's graph from the small state's values after the step's writes (the
+        run's ``after_step_values``), as an eager call would after the copy back, with
+        no eager call.
+
+        Args:
+            build: ``build(read)`` -> the structure, or None if it cannot; ``read(eager
+                variable)`` is the variable's value after the step, or None.
+
+        Returns:
+            whether the structure is fetched: False where a run reads the small state
+            apart (``_small_reads_alone``), or ``build`` returned None.
+        """
+        reads = {id(v): t for v, t in zip(self._small_in_step, self._small_reads_in_step)}
+        if not reads or self._small_reads_alone:
+            return False
+        distributed = self._session.distributed
+        with distributed.graph.as_default(), tf.device(distributed.ctx.shared_device):
+            built = build(lambda variable: reads.get(id(variable)))
+        if built is None:
+            return False
+        self._after_structure, self._after_fetches = built, tf.nest.flatten(built)
+        self._fetches = self._fetches + self._after_fetches
+        return True
 
     @property
     def session(self) -> DistributedSession:
         return self._session
 
-    def run(self, args: tuple):
+    @property
+    def fetches_after_step(self) -> bool:
+        """Whether ``fetch_after_step`` took a structure."""
+        return bool(self._after_fetches)
+
+    def run(self, args: tuple, copy_small: bool = True):
         """One training step on the global batch ``args``; returns the step's outputs.
 
         The small state (what the forward pass writes, the optimizer's scalars)
-        is copied into the eager variables before it returns.
+        is copied into the eager variables before it returns, or, with
+        ``copy_small=False``, kept until ``copy_small_state`` (or any other copy)
+        where no Keras code reads it before the next step: its copy costs one
+        eager op per variable.
 
         Args:
             args: the step's arguments, as traced.
+            copy_small: copy the small state now. A run reading it apart
+                (``_small_reads_alone``) copies it now regardless.
         """
         values = [a for a in tf.nest.flatten(args) if not is_static(a)]
         feeds = dict(zip(self._lifted.inputs, [_as_numpy(v) for v in values]))
-        fetched = self._session.run(
-            self._step_fetches + self._fetch_outputs + self._small_reads_in_step,
-            feed_dict=feeds)
+        fetched = self._session.run(self._fetches, feed_dict=feeds)
+        if self._after_fetches:
+            after = len(fetched) - len(self._after_fetches)
+            self.after_step_values = tf.nest.pack_sequence_as(self._after_structure,
+                                                              fetched[after:])
+            fetched = fetched[:after]
         small_start = len(fetched) - len(self._small_reads_in_step)
         outputs = fetched[len(self._step_fetches):small_start]
-        self._assign_fetched(self._small_in_step, fetched[small_start:])
-        self._copy(self._small_reads_alone)
+        self._pending_small = fetched[small_start:]
+        if copy_small or self._small_reads_alone:
+            self.copy_small_state()
+            self._copy(self._small_reads_alone)
         results = iter(outputs)
         flat = [next(results) if isinstance(o, tf.Tensor) else o for o in self._lifted.outputs]
         return tf.nest.pack_sequence_as(self._lifted.structure, flat)
+
+    def copy_small_state(self) -> None:
+        """Copies the small state of the last run into the eager variables, if ``run``
+        kept it."""
+        if self._pending_small is not None:
+            values, self._pending_small = self._pending_small, None
+            self._assign_fetched(self._small_in_step, values)
 
     def _reads_again(self, variables: list) -> list:
         """New reads of the (readable) ``variables``' values in AutoDist's graph."""
@@ -141,6 +196,7 @@ class DistributedStep:
             weights: copy the model's weights.
             slots: copy the optimizer's slots.
         """
+        self.copy_small_state()
         self._copy([(variable, tensor) for variable, tensor in self._reads
                     if id(variable) not in self._small
                     and self._selected(variable, weights, slots)])
@@ -220,6 +276,7 @@ class DistributedStep:
             weights: also check the model's weights.
             slots: also check the optimizer's slots.
         """
+        self.copy_small_state()  # compared below as the values Keras code last saw
         checked = [(variable, placeholder, restore) for variable, placeholder, restore
                    in self._writes if self._selected(variable, weights, slots)
                    and id(variable) in self._synced]
