@@ -28,7 +28,8 @@ Systems, each in a process of its own with TensorFlow's default thread pools
 * ``AllReduce, 1 replica``: AutoDist on one CPU replica: its fixed cost alone.
 
 Method: ``lockstep`` (shared with ``keras_mimo``): for each model the three
-processes train in turn, one step each, each step timed alone on the cores. A
+processes train in turn, one step each, each step (the batch's ``train_function``
+call; no callback in ``fit``) timed alone on the cores. A
 round runs every model once with fresh processes; a system's figure in it is
 the median of its steps after ``--warmup``, and AutoDist's ratio the median over
 the cycles of its step over plain Keras's in the same cycle. The table gives
@@ -60,6 +61,12 @@ END = "<!-- keras_library_step:end -->"
 HEADING, ANCHOR = next(s for s in report.SECTIONS if s[0].endswith("(`keras_library_step`)"))
 SYSTEMS = ("keras", "AllReduce", "AllReduce, 1 replica")
 GOAL_RATIO = 1.5
+CALLBACK_FINDING = (
+    "- The steps are timed with no callback in `fit` (a progress bar alone changes "
+    "nothing). A callback with batch hooks makes AutoDist copy the small state (metrics, "
+    "the optimizer's scalars) into the model after every step and check it for changes "
+    "before the next, an eager op per variable each: about 0.8 ms a step on these "
+    "models ([the note](notes/keras_mimo.md#the-small-state-when-keras-reads-it-2026-12-07)).")
 MIN_PLAIN_MS = 2.0
 VOCABULARIES = (1000, 1000, 500, 200, 100, 50)
 DENSE_FEATURES, EMBEDDING_DIM = 13, 16
@@ -232,8 +239,9 @@ def run_worker(system: str, name: str, steps: int) -> None:
     sample_weight = None
     if isinstance(y, tuple):
         y, sample_weight = y
+    lockstep.time_steps(model)
     model.fit(x, y, sample_weight=sample_weight, batch_size=batch, epochs=1, shuffle=False,
-              verbose=0, callbacks=[lockstep.timer()])
+              verbose=0)
     lockstep.finished()
 
 
@@ -325,7 +333,8 @@ def format_markdown(table: dict, args, command: str) -> str:
         f"every model whose plain step is {MIN_PLAIN_MS:g} ms or more (issue 56, item 8).", "",
         f"Measured {info['date']} on {info['cores']} cores ({info['cpu']}), TensorFlow "
         f"{info['tf']}, Python {info['python']}; each system's default thread pools. Each "
-        "system in a process of its own, one step each in turn (lockstep, as `keras_mimo`); "
+        "system in a process of its own, one step each in turn (lockstep, as `keras_mimo`), "
+        "timing `train_function` (no callback); "
         f"{args.rounds} rounds of fresh processes, {args.steps} timed steps after "
         f"{args.warmup} warm-up steps, medians over the rounds; 1-minute load {info['load']} "
         "at the end.", "",
@@ -348,6 +357,7 @@ def format_markdown(table: dict, args, command: str) -> str:
     if fixed:
         lines.append("- AutoDist's fixed cost on one replica (its step minus plain Keras's): "
                      + "; ".join(f"{title} {cost:+.1f} ms" for title, cost in fixed) + ".")
+    lines.append(CALLBACK_FINDING)
     failed = {MODELS[n][2]: f for n, (_, _, f) in table.items() if f}
     if failed:
         lines.append("- Rounds with a failed process: "

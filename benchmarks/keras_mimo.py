@@ -19,16 +19,16 @@ Systems, each in a process of its own with TensorFlow's default thread pools
   devices, the peer.
 
 Method: the systems' processes train in lockstep, one step each in turn (the
-order reversed every other cycle): each waits in ``on_train_batch_begin``
-until the coordinator lets it run one batch, times ``on_train_batch_begin`` ->
-``on_train_batch_end``, and reports back before the next process runs. So
+order reversed every other cycle): each waits before a batch until the
+coordinator lets it run one, times the batch's ``train_function`` call (no
+callback in ``fit``: ``lockstep.time_steps``), and reports back before the next
+process runs. So
 every system runs alone on the cores, and this VM's speed, which drifts by a
 third over seconds, moves the steps of one cycle alike. A round is one such
 run of fresh processes; in it a system's figure is the median of its steps
 after the first ``--warmup``, and the two-replica ratio is the median over
 the cycles of AutoDist's step over plain Keras's in the same cycle. The table
-gives medians over the rounds. The timer reads no weights and says so
-(``autodist_reads_weights = False``).
+gives medians over the rounds.
 
 Goal (issue 29): AutoDist's step on one node with two replicas within
 ``GOAL_RATIO`` of plain Keras's (the median per-cycle ratio).
@@ -111,8 +111,8 @@ def run_worker(system: str, epochs: int) -> None:
         with AutoDist(spec, get_builder("AllReduce")).scope():
             model = _build()
     inputs, targets = _data()
-    model.fit(inputs, targets, epochs=epochs, batch_size=BATCH, verbose=0,
-              callbacks=[lockstep.timer()])
+    lockstep.time_steps(model)
+    model.fit(inputs, targets, epochs=epochs, batch_size=BATCH, verbose=0)
     lockstep.finished()
 
 
@@ -168,7 +168,8 @@ def format_markdown(table: dict, ratios: list, args, command: str) -> str:
         f"Measured {info['date']} on {info['cores']} cores ({info['cpu']}), TensorFlow "
         f"{info['tf']}, Python {info['python']}; each system's default thread pools "
         "(AutoDist's two CPU replicas: an intra-op pool each, of half the cores). Each "
-        "system in a process of its own, the processes one step each in turn (lockstep); "
+        "system in a process of its own, the processes one step each in turn (lockstep), "
+        "timing `train_function` (no callback); "
         f"{args.rounds} rounds of fresh processes, each system's figure the median of its "
         f"steps after {args.warmup} warm-up steps, then the median over the rounds; 1-minute "
         f"load {info['load']} at the end.", "",

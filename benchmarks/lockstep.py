@@ -2,14 +2,14 @@
 
 The coordinator (:func:`run_round`) starts one process per system and lets them
 run one training batch at a time, in turn (the order reversed every other
-cycle). A process waits in ``on_train_batch_begin`` until it is let go, times
-``on_train_batch_begin`` -> ``on_train_batch_end`` and reports the seconds
-before the next process runs. So every system runs alone on the cores, and the
+cycle). A process waits before each batch until it is let go, times the
+batch's ``train_function`` call and reports the seconds before the next
+process runs. So every system runs alone on the cores, and the
 machine's speed, which may drift by a third over seconds, moves the steps of
 one cycle alike: the ratio of two systems' steps in the same cycle is steadier
 than the ratio of their medians.
 
-A worker process calls :func:`timer` for its ``fit`` callback and
+A worker process calls :func:`time_steps` on its model before ``fit`` and
 :func:`finished` after ``fit``; the coordinator needs no TensorFlow.
 """
 from __future__ import annotations
@@ -27,29 +27,41 @@ from typing import Dict, List, Optional, Sequence
 READY, STEP_TAG, DONE = "LOCKSTEP_READY", "LOCKSTEP_STEP ", "LOCKSTEP_DONE"
 
 
-def timer():
-    """The worker's ``fit`` callback: waits for the coordinator's go before each batch and
-    reports the batch's seconds after it. It reads no weights and says so
-    (``autodist_reads_weights = False``).
+def time_steps(model) -> None:
+    """Makes ``model.fit`` wait for the coordinator's go before each batch and report the
+    seconds of the batch's ``train_function`` call after it.
 
-    Returns:
-        keras.callbacks.Callback: a new callback.
+    The call is timed, not ``on_train_batch_begin`` -> ``on_train_batch_end``: a
+    callback with batch hooks is Keras code run between batches, which AutoDist
+    must let see the model's state at every step (the cost of such a callback,
+    not of the step). Keras's loop around the call is the same for every system.
+
+    Args:
+        model: a compiled ``keras.Model`` (under any system), before ``fit``.
     """
     import time
-    import keras
 
-    class LockstepTimer(keras.callbacks.Callback):
-        autodist_reads_weights = False
+    make_train_function = model.make_train_function
 
-        def on_train_batch_begin(self, batch, logs=None):
+    def make_timed(force=False):
+        make_train_function(force)  # Keras's sets model.train_function (returns None)
+        train_function = model.train_function
+        if getattr(train_function, "lockstep_timed", False):
+            return train_function
+
+        def timed(iterator):
             print(READY, flush=True)
             sys.stdin.readline()  # the coordinator's go
-            self._start = time.perf_counter()
+            start = time.perf_counter()
+            logs = train_function(iterator)
+            print(f"{STEP_TAG}{time.perf_counter() - start}", flush=True)
+            return logs
 
-        def on_train_batch_end(self, batch, logs=None):
-            print(f"{STEP_TAG}{time.perf_counter() - self._start}", flush=True)
+        timed.lockstep_timed = True
+        model.train_function = timed
+        return timed
 
-    return LockstepTimer()
+    model.make_train_function = make_timed
 
 
 def finished() -> None:
