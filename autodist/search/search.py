@@ -144,7 +144,11 @@ class StrategySearch:
         if not 0.0 <= explore_share <= 1.0:
             raise ValueError(f"explore_share must be within [0, 1], got {explore_share!r}.")
         self._variables = list(getattr(variables, "trainable_variables", variables))
-        self._graph = types.SimpleNamespace(trainable_variables=self._variables)
+        # What the compiler reads of a graph (a capture or a GraphItem; a plain list of
+        # variables sums over no replicas).
+        self._graph = types.SimpleNamespace(
+            trainable_variables=self._variables,
+            sums_over_replicas=getattr(variables, "sums_over_replicas", False))
         # Nodes given a memory: strategies whose training state a node cannot hold are
         # never measured nor picked (the compiler would refuse them).
         self._capped = any(node.memory is not None for node in resource_spec.nodes)
