@@ -113,9 +113,9 @@ class DistributedSession:
         # (ids of a flat list of fetches, ids of the fed tensors) -> a callable running
         # them, and the elements (kept alive, so no id is reused)
         self._callables = {}
-        # id of a fetch or fed key -> (it, what it maps to): kept alive, so no id is reused
-        self._fetch_of, self._feed_of = {}, {}
-        self._feed_specs = {}  # id of a fed tensor -> (it, numpy dtype, dimensions)
+        # What a fetch or fed key maps to, and a fed tensor's (numpy dtype, dimensions):
+        # each looked up once (``_remembered``)
+        self._fetch_of, self._feed_of, self._feed_specs = {}, {}, {}
         item = distributed.item
         self._variable_fetches = {}
         for name, variable in item.variables.items():
@@ -340,10 +340,9 @@ class DistributedSession:
 
     def _feed_spec(self, target: tf.Tensor) -> tuple:
         """A fed tensor's numpy dtype and dimensions (None: any rank), looked up once."""
-        if id(target) not in self._feed_specs:
-            dims = target.shape.as_list() if target.shape.rank is not None else None
-            self._feed_specs[id(target)] = (target, target.dtype.as_numpy_dtype, dims)
-        return self._feed_specs[id(target)][1:]
+        return _remembered(self._feed_specs, target, lambda: (
+            target.dtype.as_numpy_dtype,
+            target.shape.as_list() if target.shape.rank is not None else None))
 
     def _stuck_bound(self) -> Optional[float]:
         """How long the next training run may take before it counts as stuck, or None."""
@@ -389,12 +388,7 @@ class DistributedSession:
     def _map_fetch(self, fetch):
         if isinstance(fetch, str):  # names are looked up by name (a new string each run)
             return self._mapped_fetch(fetch)
-        known = self._fetch_of.get(id(fetch))
-        if known is not None and known[0] is fetch:
-            return known[1]
-        mapped = self._mapped_fetch(fetch)
-        self._fetch_of[id(fetch)] = (fetch, mapped)  # kept: no id is reused
-        return mapped
+        return _remembered(self._fetch_of, fetch, lambda: self._mapped_fetch(fetch))
 
     def _mapped_fetch(self, fetch):
         if getattr(fetch, "graph", None) is self._graph:
@@ -470,9 +464,9 @@ class DistributedSession:
     def _check_rows(self, key, value) -> None:
         """Refuses a batch (a value fed to a batched input) with fewer rows than
         replicas: some replica would get none."""
-        name = _element_name(key).split(":")[0]
         replicas = self._distributed.ctx.num_replicas
         if len(value) < replicas:
+            name = _element_name(key).split(":")[0]
             raise ValueError(
                 f"AutoDist splits the batch fed to '{name}' across {replicas} replicas, but "
                 f"it has {len(value)} rows; feed at least {replicas} rows (e.g. drop or pad "
@@ -481,15 +475,9 @@ class DistributedSession:
     def _map_feed(self, key) -> tuple:
         """What a value fed for ``key`` feeds in the distributed graph, and whether
         ``key`` is a batch the replicas split (``_check_rows``); looked up once."""
-        known = self._feed_of.get(id(key))
-        if known is not None and known[0] is key:
-            return known[1:]
-        name = _element_name(key)
         if isinstance(key, str):  # a new string each run, perhaps: by name only
-            return self._feed_targets(name)
-        targets, batched = self._feed_targets(name)
-        self._feed_of[id(key)] = (key, targets, batched)  # kept: no id is reused
-        return targets, batched
+            return self._feed_targets(key)
+        return _remembered(self._feed_of, key, lambda: self._feed_targets(_element_name(key)))
 
     def _feed_targets(self, name: str) -> tuple:
         if self._distributed.item.is_replicated(name):
@@ -501,6 +489,15 @@ class DistributedSession:
 
 
 _NESTED = (list, tuple, dict)
+
+
+def _remembered(cache: dict, key, compute: Callable):
+    """``compute()`` for the object ``key``, computed once: ``cache`` keeps ``key`` alive
+    beside it, so that no other object takes its id."""
+    known = cache.get(id(key))
+    if known is None or known[0] is not key:
+        known = cache[id(key)] = (key, compute())
+    return known[1]
 
 
 def as_tf_variable(element):
